@@ -1,0 +1,1 @@
+"""ling2.config."""

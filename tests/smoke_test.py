@@ -1,0 +1,5 @@
+import jax
+
+
+def test_devices():
+    assert len(jax.devices()) == 4

@@ -1,0 +1,3 @@
+#!/bin/sh
+echo "coverage via Bazel is unavailable offline; use pytest-cov" >&2
+exit 1

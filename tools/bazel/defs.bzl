@@ -1,0 +1,33 @@
+"""The one test macro: a py_test that runs pytest on its file."""
+
+def ling2_py_test(name, srcs, deps = [], data = [], devices = 0, env = {}, args = [], size = "small", **kwargs):
+    """A pytest-driven py_test.
+
+    Args:
+      name: target name.
+      srcs: the test file(s); pytest runs exactly these.
+      deps: py_library deps under test.
+      data: runtime files.
+      devices: if > 0, fake that many XLA CPU devices (for sharding tests).
+      env: extra environment.
+      args: extra pytest arguments.
+      size: Bazel test size.
+      **kwargs: passed to py_test.
+    """
+    test_env = {"JAX_PLATFORMS": "cpu"}
+    test_env.update(env)
+    if devices:
+        test_env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=%d" % devices
+    native.py_test(
+        name = name,
+        srcs = srcs + ["//tools/bazel:pytest_main.py"],
+        main = "//tools/bazel:pytest_main.py",
+        args = ["$(rootpath %s)" % s for s in srcs] + args,
+        deps = deps,
+        data = data,
+        env = test_env,
+        size = size,
+        python_version = "PY3",
+        srcs_version = "PY3",
+        **kwargs
+    )
