@@ -1,1 +1,7 @@
-"""ling2.config."""
+"""Ling2's typed config: schema, loader and derived values."""
+
+from ling2.config.loader import ConfigError, load_config, parse_overrides, to_yaml
+from ling2.config.schema import Config
+from ling2.config.enums import DecoderBlockType, ModelName
+
+__all__ = ["Config", "ConfigError", "DecoderBlockType", "ModelName", "load_config", "parse_overrides", "to_yaml"]

@@ -1,0 +1,24 @@
+"""Enumerations and literal types shared by the config schema."""
+
+import enum
+from typing import Literal
+
+
+class DecoderBlockType(str, enum.Enum):
+    """Which decoder stack to build. Ling2 is the hybrid MLA/GLA MoE decoder."""
+
+    LING2 = "ling2"
+
+
+ModelName = Literal["default", "ling2", "ling2-tiny", "ling2-small"]
+
+DType = Literal["float32", "bfloat16", "float16", "float64"]
+RoutedBiasDType = Literal["", "float32", "bfloat16", "float16", "float64"]
+ScoreFunc = Literal["sigmoid", "softmax"]
+RopeType = Literal["default", "yarn"]
+RematPolicy = Literal["none", "full", "save_dot"]
+AttentionKernel = Literal["dot_product", "cudnn", "flash"]
+GlaBackend = Literal["auto", "chunked", "naive", "quadratic", "pallas_tpu", "pallas_gpu"]
+LrSchedule = Literal["cosine", "wsd", "constant"]
+LayerType = Literal["gla", "mla"]
+MlpType = Literal["dense", "moe"]

@@ -1,0 +1,132 @@
+"""Loads a Config: base.yml -> models/{model_name}.yml -> key=value overrides.
+
+Every error is a `ConfigError` whose message names the file and field at fault.
+"""
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence, Union
+
+import pydantic
+import yaml
+
+from ling2.config.schema import Config
+
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+BASE_CONFIG = CONFIGS_DIR / "base.yml"
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message names the file and field."""
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: malformed YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of key: value, got {type(data).__name__}")
+    return data
+
+
+def _unknown(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, Config.model_fields, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return ConfigError(f"{where}: unknown config key {key!r}{hint}")
+
+
+def _merge(into: dict, layer: Mapping[str, Any], where: str, sources: dict) -> None:
+    for k, v in layer.items():
+        if k not in Config.model_fields:
+            raise _unknown(k, where)
+        into[k] = v
+        sources[k] = where
+
+
+def parse_overrides(items: Sequence[str]) -> dict:
+    """`["a=1", "b=[x, y]"]` -> {"a": 1, "b": ["x", "y"]}; values are parsed as YAML scalars."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"command line: expected key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        try:
+            out[key] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            out[key] = raw
+    return out
+
+
+def _chain(path: Path) -> list[tuple[Path, dict]]:
+    """A config file and the `base_config` files it extends, base first."""
+    data = _read_yaml(path)
+    parent = data.pop("base_config", None)
+    if parent is None:
+        return [(path, data)]
+    return _chain((path.parent / parent).resolve()) + [(path, data)]
+
+
+def load_config(*overrides: Union[str, Mapping[str, Any]], config_file: Union[str, os.PathLike, None] = None,
+                **kwargs: Any) -> Config:
+    """Resolve a Config.
+
+    Args:
+      *overrides: "key=value" strings and/or mappings, applied last, in order.
+      config_file: the root config (default configs/base.yml). It may name a parent with
+        `base_config: <path relative to it>`. Model files are read from `models/` next to
+        the first file of that chain.
+      **kwargs: more overrides.
+    """
+    root = Path(config_file) if config_file else BASE_CONFIG
+    chain = _chain(root.resolve() if root.exists() else root)
+    merged: dict = {}
+    sources: dict = {}
+    for path, data in chain:
+        _merge(merged, data, str(path), sources)
+
+    cli: dict = {}
+    for o in overrides:
+        cli.update(parse_overrides([o]) if isinstance(o, str) else dict(o))
+    cli.update(kwargs)
+    for k in cli:
+        if k not in Config.model_fields:
+            raise _unknown(k, "override")
+
+    model_name = cli.get("model_name", merged.get("model_name", "default"))
+    if model_name != "default":
+        model_file = chain[0][0].parent / "models" / f"{model_name}.yml"
+        if not model_file.is_file():
+            known = sorted(p.stem for p in model_file.parent.glob("*.yml"))
+            raise ConfigError(f"{model_file}: model file for model_name={model_name!r} not found (known: {known})")
+        _merge(merged, _read_yaml(model_file), str(model_file), sources)
+    _merge(merged, cli, "override", sources)
+
+    missing = [k for k in Config.model_fields if k not in merged]
+    if missing:
+        raise ConfigError(f"{chain[0][0]}: missing config keys {missing} (base.yml must define every field)")
+    try:
+        return Config(**merged)
+    except pydantic.ValidationError as e:
+        lines = []
+        for err in e.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "config"
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["loc"]:
+                src = sources.get(err["loc"][0], "?")
+                lines.append(f"{field} (from {src}): {msg} [got {err.get('input')!r}]")
+            else:
+                lines.append(f"{msg} (model_name={model_name})")
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML (fields only, in schema order)."""
+    data = cfg.model_dump(mode="json")
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
