@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence, Union
 import pydantic
 import yaml
 
-from ling2.config.schema import Config
+from ling2.config.schema import GROUPS, Config
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 BASE_CONFIG = CONFIGS_DIR / "base.yml"
@@ -127,6 +127,12 @@ def load_config(*overrides: Union[str, Mapping[str, Any]], config_file: Union[st
 
 
 def to_yaml(cfg: Config) -> str:
-    """The resolved config as YAML (fields only, in schema order)."""
+    """The resolved config as YAML, one commented section per concern."""
     data = cfg.model_dump(mode="json")
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
+    parts = []
+    for group in GROUPS:
+        parts.append(f"# --- {group.__name__} ---\n")
+        for k in group.model_fields:
+            flow = None if isinstance(data[k], list) else False
+            parts.append(yaml.safe_dump({k: data[k]}, default_flow_style=flow, width=float("inf")))
+    return "".join(parts)

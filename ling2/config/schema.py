@@ -6,7 +6,7 @@ field missing from it is an error rather than a silent second default. Access is
 head dims) are computed once after validation.
 """
 
-from typing import Any, Optional
+from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
@@ -188,11 +188,11 @@ class Logging(_Group):
     log_router_stats: bool
 
 
-_GROUPS = (Model, Rope, LinearAttention, Mla, MoE, DeepSeekMoE, Mtp, Data, Tokenizer, Optimizer, Training, Mesh,
+GROUPS = (Model, Rope, LinearAttention, Mla, MoE, DeepSeekMoE, Mtp, Data, Tokenizer, Optimizer, Training, Mesh,
            Checkpointing, Logging)
 
 
-class Config(*_GROUPS):
+class Config(*GROUPS):
     """The resolved config. Build it with `ling2.config.load_config`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, protected_namespaces=())
@@ -244,9 +244,10 @@ class Config(*_GROUPS):
         for logical, axes in self.logical_axis_rules:
             for a in axes or ():
                 need(a in self.mesh_axes, "logical_axis_rules", f"rule {logical!r} names unknown mesh axis {a!r}")
+        self._derive()
         return self
 
-    def model_post_init(self, __context: Any) -> None:
+    def _derive(self) -> None:
         L, k = self.base_num_decoder_layers, self.inhomogeneous_layer_cycle_interval
         tail = (L // k) * k
         types = tuple("mla" if (i + 1) % k == 0 or i >= tail else "gla" for i in range(L))
@@ -312,4 +313,4 @@ class Config(*_GROUPS):
         return int(self.per_device_batch_size * num_devices)
 
 
-FIELD_GROUPS: dict[str, type[BaseModel]] = {f: g for g in _GROUPS for f in g.model_fields}
+FIELD_GROUPS: dict[str, type[BaseModel]] = {f: g for g in GROUPS for f in g.model_fields}

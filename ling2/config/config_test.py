@@ -1,0 +1,177 @@
+"""Config loading, derived values and bad-input errors.
+
+The expected values are the RFC "PR1 - Ling2 config extension" checks and the
+layer-type rule of the HF reference (BailingMoeV2_5), computed by hand.
+"""
+
+import pytest
+
+from ling2.config import Config, ConfigError, DecoderBlockType, load_config
+from ling2.config.loader import BASE_CONFIG, CONFIGS_DIR
+
+
+def test_rfc_ling2_values():
+    cfg = load_config(model_name="ling2")
+    assert cfg.decoder_block is DecoderBlockType.LING2
+    assert cfg.decoder_block.value == "ling2"
+    assert cfg.inhomogeneous_layer_cycle_interval == 5
+    assert cfg.first_num_dense_layers == 1
+    assert cfg.moe_shared_expert_dim == 2048
+    assert cfg.shared_expert_dim == 2048
+
+
+def test_rfc_base_defaults():
+    cfg = load_config()
+    assert cfg.model_name == "default"
+    assert cfg.moe_z_loss_weight == 0.0
+    assert cfg.calculate_per_token_loss is True
+    assert cfg.moe_shared_expert_dim == 0
+    # Shared expert width falls back to the routed expert width.
+    assert cfg.shared_expert_dim == cfg.base_moe_mlp_dim
+
+
+def test_rfc_new_field_defaults():
+    cfg = load_config()
+    expected = dict(moe_z_loss_weight=0.0, moe_shared_expert_dim=0, routed_bias_dtype="", enable_routed_bias_grad=True,
+                    routed_bias_zero_mean_update=False, mla_interleaved_rope=True, group_norm_size=1,
+                    use_linear_silu=False, blend_cache_dir="", blend_index_dir="", reset_attention_mask=True,
+                    eod_mask_loss=False, mmap_split_sentences=False, pad_id=0, bos_id=1,
+                    calculate_per_token_loss=True)
+    assert {k: getattr(cfg, k) for k in expected} == expected
+    assert cfg.routed_bias_dtype_resolved == cfg.weight_dtype
+
+
+def test_ling2_layer_types():
+    cfg = load_config(model_name="ling2")
+    mla = [i for i, t in enumerate(cfg.layer_types) if t == "mla"]
+    assert mla == [4, 9, 14, 19]
+    assert cfg.mlp_types == ("dense",) + ("moe",) * 19
+    assert cfg.qk_head_dim == 192 and cfg.rotary_dim == 64
+
+
+def test_tail_rule_makes_trailing_partial_group_mla():
+    # L=12, interval 5: groups [0..4], [5..9]; layers 10 and 11 form a partial group -> MLA.
+    cfg = load_config(model_name="ling2-tiny", base_num_decoder_layers=12)
+    assert [i for i, t in enumerate(cfg.layer_types) if t == "mla"] == [4, 9, 10, 11]
+    cfg = load_config(model_name="ling2-tiny", inhomogeneous_layer_cycle_interval=1)
+    assert set(cfg.layer_types) == {"mla"}
+
+
+def test_tiny_structure():
+    cfg = load_config(model_name="ling2-tiny")
+    assert cfg.num_decoder_layers == 10
+    assert [i for i, t in enumerate(cfg.layer_types) if t == "mla"] == [4, 9]
+    assert cfg.mlp_types[0] == "dense" and set(cfg.mlp_types[1:]) == {"moe"}
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.n_routing_groups, cfg.topk_routing_group) == (16, 4, 4, 2)
+    assert cfg.mtp_num_layers == 1
+
+
+@pytest.mark.parametrize("model", ["ling2", "ling2-tiny", "ling2-small"])
+def test_model_files_load(model):
+    cfg = load_config(f"model_name={model}")
+    assert cfg.model_name == model
+
+
+def test_override_order_and_coercion():
+    cfg = load_config("model_name=ling2", "num_experts=64", "routed_scaling_factor=1", "scan_layers=true",
+                      "mesh_axes=[data, fsdp, expert, tensor]")
+    assert cfg.num_experts == 64  # override beats the model file
+    assert cfg.routed_scaling_factor == 1.0 and isinstance(cfg.routed_scaling_factor, float)
+    assert cfg.scan_layers is True
+    assert cfg.num_experts_per_tok == 8  # from the model file
+    # kwargs and mappings work too, applied in order
+    assert load_config({"num_experts": 16}, num_experts=32).num_experts == 32
+
+
+def test_config_is_frozen():
+    cfg = load_config()
+    with pytest.raises(Exception):
+        cfg.num_experts = 3
+
+
+def test_base_yml_defines_every_field():
+    import yaml
+    keys = set(yaml.safe_load(BASE_CONFIG.read_text()))
+    assert keys == set(Config.model_fields)
+
+
+# ---- bad input -------------------------------------------------------------
+
+def test_unknown_key_names_close_matches():
+    with pytest.raises(ConfigError, match=r"unknown config key 'num_expert'.*num_experts"):
+        load_config("num_expert=4")
+
+
+def test_unknown_key_in_file_names_file(tmp_path):
+    f = tmp_path / "my.yml"
+    f.write_text(f"base_config: {BASE_CONFIG}\nlerning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match=r"my\.yml: unknown config key 'lerning_rate'.*learning_rate"):
+        load_config(config_file=f)
+
+
+def test_wrong_type_names_field():
+    with pytest.raises(ConfigError, match=r"num_experts \(from override\).*integer.*'abc'"):
+        load_config("num_experts=abc")
+    with pytest.raises(ConfigError, match=r"dtype.*'float33'"):
+        load_config(dtype="float33")
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config("num_experts")
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(num_experts=4, num_experts_per_tok=5), "num_experts_per_tok"),
+    (dict(num_experts=8, n_routing_groups=3), "n_routing_groups"),
+    (dict(num_experts=8, n_routing_groups=2, topk_routing_group=3), "topk_routing_group"),
+    (dict(inhomogeneous_layer_cycle_interval=0), "inhomogeneous_layer_cycle_interval"),
+    (dict(base_emb_dim=0), "base_emb_dim"),
+    (dict(head_dim=-4), "head_dim"),
+    (dict(weight_dtype="int8"), "weight_dtype"),
+    (dict(routed_bias_dtype="fp32"), "routed_bias_dtype"),
+    (dict(group_norm_size=3), "group_norm_size"),
+    (dict(qk_rope_head_dim=32), "qk_rope_head_dim"),
+    (dict(num_experts=8, n_routing_groups=8, topk_routing_group=2), "n_routing_groups"),
+    (dict(ici_data_parallelism=-1, ici_fsdp_parallelism=-1), "ici_"),
+    (dict(ici_tensor_parallelism=0), "ici_tensor_parallelism"),
+])
+def test_validation_rules_name_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=field):
+        load_config(**overrides)
+
+
+def test_malformed_yaml_names_file(tmp_path):
+    f = tmp_path / "bad.yml"
+    f.write_text("num_experts: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"bad\.yml: malformed YAML"):
+        load_config(config_file=f)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope\.yml: config file not found"):
+        load_config(config_file=tmp_path / "nope.yml")
+
+
+def test_missing_model_file_names_path():
+    # ModelName is a closed Literal: an unknown name cannot get past the loader to the schema.
+    with pytest.raises(ConfigError, match=r"models/ling3\.yml: model file .* not found"):
+        load_config(model_name="ling3")
+
+
+def test_missing_model_file_in_custom_tree(tmp_path):
+    (tmp_path / "base.yml").write_text(BASE_CONFIG.read_text())
+    (tmp_path / "models").mkdir()
+    with pytest.raises(ConfigError, match=r"models/ling2-tiny\.yml: model file"):
+        load_config(config_file=tmp_path / "base.yml", model_name="ling2-tiny")
+
+
+def test_incomplete_root_file(tmp_path):
+    f = tmp_path / "partial.yml"
+    f.write_text("num_experts: 4\n")
+    with pytest.raises(ConfigError, match=r"partial\.yml: missing config keys"):
+        load_config(config_file=f)
+
+
+def test_configs_dir_is_the_repo_one():
+    assert (CONFIGS_DIR / "models" / "ling2.yml").is_file()

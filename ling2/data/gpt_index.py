@@ -1,0 +1,295 @@
+"""GPT sample indices identical to Megatron-LM's GPTDataset, sample for sample.
+
+Units are sequences (not documents). For a split with token count T, sequence length S and
+`add` = 1 if `add_extra_token_to_sequence`:
+  epochs E  = smallest E with E*T >= num_samples*S + add (1 when num_samples is None)
+  samples n = (E*T - add) // S (drop-last; keep-partial rounds up)
+One `numpy.random.RandomState(seed)` shuffles, in order: the document index (sequence ids
+tiled E times; the final epoch shuffled on its own when it contributes < 80% of an epoch),
+then the shuffle index (the separate final-epoch samples shuffled on their own).
+Pre-shuffle sample j is the stream slice [j*S, j*S + S + add) of the concatenated
+sequences in document-index order; `sample_index[j]` is where that slice starts, as
+(document-index position, token offset). Everything is int64 and vectorised; peak memory
+is the output plus one chunk (no E x N blow-up).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from typing import Optional
+
+import numpy as np
+
+from ling2.data.indexed import IndexedDataset
+
+SPLITS = ("train", "valid", "test")
+_CHUNK = 1 << 22
+
+
+def parse_split(split: str) -> list[float]:
+    """"969,30,1" -> normalised [train, valid, test] fractions (missing ones are 0)."""
+    parts = [p for p in re.split(r"[,/ ]+", split.strip()) if p]
+    try:
+        vals = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"data_split {split!r}: not a list of numbers like '969,30,1'")
+    if not 1 <= len(vals) <= 3 or any(v < 0 or not math.isfinite(v) for v in vals):
+        raise ValueError(f"data_split {split!r}: need 1 to 3 non-negative numbers")
+    vals += [0.0] * (3 - len(vals))
+    total = float(np.sum(np.array(vals, np.float64)))
+    if total <= 0:
+        raise ValueError(f"data_split {split!r}: the parts sum to 0")
+    return (np.array(vals, np.float64) / total).tolist()
+
+
+def split_matrix(split: str) -> list[Optional[tuple[float, float]]]:
+    """Book-ends [(lo, hi) or None] per split, as Megatron's cumulative sums."""
+    out, lo = [], 0.0
+    for v in parse_split(split):
+        hi = lo + v
+        out.append((lo, hi) if hi > lo else None)
+        lo = hi
+    return out
+
+
+def split_range(num_sequences: int, split: str, name: str) -> tuple[int, int]:
+    """Sequence ids [beg, end) of split `name`; Python round() as Megatron (half to even)."""
+    bounds = split_matrix(split)[SPLITS.index(name)]
+    if bounds is None:
+        return 0, 0
+    return int(round(bounds[0] * float(num_sequences))), int(round(bounds[1] * float(num_sequences)))
+
+
+def num_epochs(tokens_per_epoch: int, num_samples: Optional[int], seq_length: int,
+               add: int) -> int:
+    if num_samples is None:
+        return 1
+    need = num_samples * seq_length + add
+    return max(1, -(-need // tokens_per_epoch))
+
+
+def build_document_index(indices: np.ndarray, epochs: int, rng: np.random.RandomState,
+                         separate_final_epoch: bool) -> np.ndarray:
+    """Sequence ids tiled `epochs` times and shuffled (int64)."""
+    indices = np.asarray(indices, dtype=np.int64)
+    if not separate_final_epoch or epochs == 1:
+        out = np.tile(indices, epochs)
+        rng.shuffle(out)
+        return out
+    out = np.empty(indices.size * epochs, dtype=np.int64)
+    head = out[: indices.size * (epochs - 1)]
+    head.reshape(epochs - 1, indices.size)[:] = indices
+    rng.shuffle(head)
+    tail = out[indices.size * (epochs - 1):]
+    tail[:] = indices
+    rng.shuffle(tail)
+    return out
+
+
+def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
+                       seq_length: int, epochs: int, tokens_per_epoch: int,
+                       drop_last: bool = True, add: int = 1) -> np.ndarray:
+    """[n + 1, 2] int64: row j = (document-index position, offset) where sample j starts.
+
+    Row j >= 1 is stream position q = j*S placed in the entry holding token q + add - 1
+    (the previous sample's last token), so a boundary at a document end stays in that
+    document; empty documents are never chosen. Matches Megatron's helpers.cpp.
+    """
+    total = epochs * tokens_per_epoch
+    if seq_length < 1:
+        raise ValueError(f"sequence length must be >= 1, got {seq_length}")
+    if total - add < 1 or total < 2:
+        raise ValueError(f"{total} tokens cannot make one sample of length {seq_length}")
+    n = (total - add) // seq_length if drop_last else -(-(total - add) // seq_length)
+    out = np.zeros((n + 1, 2), dtype=np.int64)
+    carry = 0  # tokens before the current chunk
+    for a in range(0, document_index.shape[0], _CHUNK):
+        lens = sequence_lengths[document_index[a:a + _CHUNK]].astype(np.int64)
+        ends = np.cumsum(lens, out=lens)
+        ends += carry
+        hi = int(ends[-1])
+        # samples j in [1, n] whose located token x = j*S + add - 1 lies in [carry, hi)
+        j0 = max(1, -(-(carry - add + 1) // seq_length))
+        j1 = min(n, (hi - add) // seq_length)
+        if j1 >= j0:
+            q = np.arange(j0, j1 + 1, dtype=np.int64) * seq_length
+            pos = np.searchsorted(ends, q + (add - 1), side="right")
+            out[j0:j1 + 1, 0] = pos + a
+            out[j0:j1 + 1, 1] = q - (ends[pos] - sequence_lengths[document_index[a + pos]])
+        carry = hi
+        del lens, ends
+    if not drop_last and n * seq_length > total - add:
+        # Keep-partial: the last (short) sample ends at the stream end. Megatron points at the
+        # last entry even when it is an empty document (and then asserts); we use the last
+        # non-empty one.
+        q = total - add
+        nz = np.flatnonzero(sequence_lengths[document_index] > 0)
+        last = int(nz[-1])
+        start = total - int(sequence_lengths[document_index[last]])
+        out[n] = (last, q - start)
+    return out
+
+
+def build_shuffle_index(num_samples: int, total_size: int,
+                        rng: np.random.RandomState) -> np.ndarray:
+    """arange(num_samples) shuffled, then arange(num_samples, total_size) shuffled (int64)."""
+    first = np.arange(num_samples, dtype=np.int64)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=np.int64)
+    rng.shuffle(last)
+    return np.concatenate([first, last])
+
+
+def build_indices(sequence_lengths: np.ndarray, indices: np.ndarray, seq_length: int,
+                  num_samples: Optional[int], seed: int, add_extra_token: bool = True,
+                  drop_last: bool = True, name: str = "dataset"):
+    """(document_index, sample_index, shuffle_index) for one split, as Megatron builds them."""
+    add = int(bool(add_extra_token))
+    tokens = int(sequence_lengths[indices].sum(dtype=np.int64)) if len(indices) else 0
+    if tokens < 2 or (num_samples is None and tokens - add < (seq_length if drop_last else 1)):
+        raise ValueError(
+            f"{name}: the split has {tokens} tokens, too few for one sample of "
+            f"sequence length {seq_length} (+{add} extra token)")
+    epochs = num_epochs(tokens, num_samples, seq_length, add)
+    separate = False
+    if epochs > 1:
+        sans_final = ((epochs - 1) * tokens - add) // seq_length
+        from_final = num_samples - sans_final
+        per_epoch = (tokens - add) // seq_length
+        separate = from_final < int(0.80 * per_epoch)
+    rng = np.random.RandomState(seed)
+    doc = build_document_index(indices, epochs, rng, separate)
+    sample = build_sample_index(sequence_lengths, doc, seq_length, epochs, tokens,
+                                drop_last, add)
+    n = sample.shape[0] - 1
+    shuffle = build_shuffle_index(sans_final if separate else n, n, rng)
+    return doc, sample, shuffle
+
+
+def _save(path: str, arr: np.ndarray) -> None:
+    tmp = f"{path}.tmp{os.getpid()}.npy"
+    np.save(tmp, arr, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+def _find_megatron_indices(index_dir: str, dataset_path: str, split: str, num_samples,
+                           seq_length: int, seed: int) -> Optional[str]:
+    """Base path `{dir}/{md5}-GPTDataset-{split}` of Megatron's prebuilt indices for this dataset.
+
+    Megatron hashes its tokenizer into the file name, so files are matched by the fields of
+    their `description.txt` instead.
+    """
+    if not index_dir or not os.path.isdir(index_dir):
+        return None
+    suffix = f"-GPTDataset-{split}-description.txt"
+    for fn in sorted(os.listdir(index_dir)):
+        if not fn.endswith(suffix):
+            continue
+        try:
+            with open(os.path.join(index_dir, fn)) as f:
+                desc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        same_path = (desc.get("dataset_path") == dataset_path or os.path.basename(
+            str(desc.get("dataset_path"))) == os.path.basename(dataset_path))
+        if (same_path and desc.get("sequence_length") == seq_length
+                and desc.get("random_seed") == seed and desc.get("num_samples") == num_samples):
+            return os.path.join(index_dir, fn[: -len("-description.txt")])
+    return None
+
+
+class GPTDataset:
+    """Samples of `seq_length + add` tokens from one split of an IndexedDataset.
+
+    `dataset[i]` returns int64 tokens (pad_id-filled only for a keep-partial last sample).
+    Indices are loaded from Megatron's prebuilt `.npy` in `index_dir` when present, else
+    from / to our cache in `cache_dir`, else built in memory.
+    """
+
+    def __init__(self, dataset: IndexedDataset, split: str = "train", data_split: str = "1,0,0",
+                 seq_length: int = 2048, num_samples: Optional[int] = None, seed: int = 1234,
+                 add_extra_token: bool = True, drop_last: bool = True,
+                 cache_dir: Optional[str] = None, index_dir: Optional[str] = None,
+                 pad_id: int = -1):
+        self.dataset = dataset
+        self.split = split
+        self.seq_length = int(seq_length)
+        self.add = int(bool(add_extra_token))
+        self.pad_id = pad_id
+        self.num_samples = num_samples
+        beg, end = split_range(len(dataset), data_split, split)
+        self.description = json.dumps({
+            "class": "GPTDataset", "dataset_path": dataset.prefix, "num_samples": num_samples,
+            "index_split": split, "random_seed": seed, "sequence_length": self.seq_length,
+            "split": data_split, "split_range": [beg, end], "add_extra_token": self.add,
+            "drop_last": drop_last, "num_sequences": len(dataset),
+        }, indent=4)
+        self.hash = hashlib.md5(self.description.encode()).hexdigest()
+
+        base = _find_megatron_indices(index_dir, dataset.prefix, split, num_samples,
+                                      self.seq_length, seed)
+        self.source = "megatron"
+        if base is None and cache_dir:
+            base = os.path.join(cache_dir, f"{self.hash}-GPTDataset-{split}")
+            self.source = "cache"
+        names = ("document_index", "sample_index", "shuffle_index")
+        if base is not None and all(os.path.isfile(f"{base}-{k}.npy") for k in names):
+            doc, sample, shuffle = (np.load(f"{base}-{k}.npy", mmap_mode="r") for k in names)
+            self._check_loaded(base, doc, sample, shuffle, beg, end)
+        else:
+            self.source = "built"
+            doc, sample, shuffle = build_indices(
+                dataset.sequence_lengths, np.arange(beg, end, dtype=np.int64), self.seq_length,
+                num_samples, seed, add_extra_token, drop_last,
+                name=f"{dataset.prefix} ({split} split, sequences [{beg}, {end}))")
+            if cache_dir:
+                os.makedirs(cache_dir, exist_ok=True)
+                base = os.path.join(cache_dir, f"{self.hash}-GPTDataset-{split}")
+                for k, arr in zip(names, (doc, sample, shuffle)):
+                    _save(f"{base}-{k}.npy", arr)
+                with open(f"{base}-description.txt", "w") as f:
+                    f.write(self.description)
+        self.document_index, self.sample_index, self.shuffle_index = doc, sample, shuffle
+        if num_samples is not None and len(self) < num_samples:
+            raise ValueError(f"{dataset.prefix}: {len(self)} samples < requested {num_samples}")
+
+    def _check_loaded(self, base, doc, sample, shuffle, beg, end) -> None:
+        if sample.ndim != 2 or sample.shape[1] != 2 or shuffle.shape[0] != sample.shape[0] - 1:
+            raise ValueError(f"{base}-*.npy: inconsistent shapes: sample_index {sample.shape}, "
+                             f"shuffle_index {shuffle.shape}")
+        if doc.size and (int(doc.min()) < beg or int(doc.max()) >= end):
+            raise ValueError(f"{base}-document_index.npy: sequence ids outside the split "
+                             f"[{beg}, {end})")
+        if shuffle.size and int(shuffle.max()) >= shuffle.shape[0]:
+            raise ValueError(f"{base}-shuffle_index.npy: entry >= {shuffle.shape[0]}")
+        if int(sample[:, 0].max()) >= doc.shape[0]:
+            raise ValueError(f"{base}-sample_index.npy: position past the document index")
+
+    def __len__(self) -> int:
+        return int(self.shuffle_index.shape[0])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.sample(int(self.shuffle_index[i]))
+
+    def sample(self, j: int) -> np.ndarray:
+        """Pre-shuffle sample j: seq_length + add int64 tokens."""
+        (b, bo), (e, eo) = self.sample_index[j], self.sample_index[j + 1]
+        b, bo, e, eo = int(b), int(bo), int(e), int(eo)
+        ds, doc = self.dataset, self.document_index
+        if b == e:
+            parts = [ds.get(int(doc[b]), bo, eo - bo + self.add)]
+        else:
+            parts = [ds.get(int(doc[b]), bo)]
+            parts += [ds.get(int(doc[k])) for k in range(b + 1, e)]
+            parts.append(ds.get(int(doc[e]), 0, eo + self.add))
+        want = self.seq_length + self.add
+        out = np.full(want, self.pad_id, dtype=np.int64)
+        got = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        out[: got.size] = got
+        return out

@@ -1,0 +1,178 @@
+"""Simple gated linear attention (scalar decay per head or per token), chunked, with packing.
+
+Recurrence (model.md, Lightning Attention-2 / fla `chunk_simple_gla`), per head:
+  S_t = exp(g_t) * S_{t-1} + k_t^T v_t,   o_t = scale * q_t S_t,   scale = K^-0.5 by default.
+With `segment_ids` the state restarts at every new segment (packed documents); the
+initial state belongs to the first segment. `simple_gla` pads T to the chunk size,
+dispatches to a backend and wraps it in a `jax.custom_vjp` whose backward is chunked too
+(it recomputes chunk states; nothing per token is stored). The gate gradient comes from
+the identity dL/dB_i = q_i.dq_i - k_i.dk_i on the cumulative log-decay B.
+
+Backends: "chunked" (pure JAX), "pallas_tpu", "pallas_gpu" (Pallas kernels; on CPU they
+run with interpret=True), the oracles "naive" (per-token scan) and "quadratic" (T x T),
+and "auto" (TPU -> pallas_tpu, GPU -> pallas_gpu, else chunked).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ling2.kernels import gla_chunked, gla_pallas_gpu, gla_pallas_tpu, gla_reference
+
+BACKENDS = ("auto", "chunked", "pallas_tpu", "pallas_gpu", "naive", "quadratic")
+
+
+def resolve_backend(backend: str) -> str:
+    """Maps "auto" to the backend for the default JAX platform."""
+    if backend not in BACKENDS:
+        raise ValueError(f"gla backend={backend!r}: expected one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "chunked")
+
+
+def doc_index(segment_ids):
+    """[B, T] non-decreasing document index: +1 wherever the segment id changes."""
+    change = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
+    return jnp.concatenate([jnp.zeros_like(change[:, :1]), jnp.cumsum(change, axis=1)], axis=1)
+
+
+def prepare(x_BTHD, C):
+    """Pads T to a multiple of C and moves heads first: [B, T, H, D] -> [B, H, T', D]."""
+    pad = -x_BTHD.shape[1] % C
+    return jnp.pad(x_BTHD, ((0, 0), (0, pad), (0, 0), (0, 0))).swapaxes(1, 2)
+
+
+def prepare_aux(g_BTH, doc_BT, C):
+    """Per-token fp32 decay factors [B, H, T'] for the chunked kernels (see gla_chunked)."""
+    B, T, H = g_BTH.shape
+    pad = -T % C
+    g = jnp.pad(g_BTH.astype(jnp.float32), ((0, 0), (0, pad), (0, 0))).swapaxes(1, 2)
+    doc = jnp.pad(doc_BT, ((0, 0), (0, pad)), mode="edge")
+    N = (T + pad) // C
+    b = jnp.cumsum(g.reshape(B, H, N, C), axis=-1)
+    doc_c = doc.reshape(B, 1, N, C)
+    doc_end = doc_c[..., -1:]
+    doc_before = jnp.concatenate([doc_c[..., :1, :1], doc_end[..., :-1, :]], axis=2)
+    alpha = jnp.exp(jnp.where(doc_c == doc_before, b, -jnp.inf))
+    w = jnp.exp(jnp.where(doc_c == doc_end, b[..., -1:] - b, -jnp.inf))
+    flat = lambda x: jnp.broadcast_to(x, (B, H, N, C)).reshape(B, H, N * C)
+    return {"b": flat(b), "doc": flat(doc_c), "alpha": flat(alpha), "w": flat(w)}
+
+
+def _kernels(backend, interpret):
+    if backend == "chunked":
+        return gla_chunked.forward, gla_chunked.backward
+    mod = {"pallas_tpu": gla_pallas_tpu, "pallas_gpu": gla_pallas_gpu}[backend]
+    return (functools.partial(mod.forward, interpret=interpret),
+            functools.partial(mod.backward, interpret=interpret))
+
+
+def _run_fwd(q, k, v, g, doc, h0, scale, C, backend, interpret):
+    T = q.shape[1]
+    fwd, _ = _kernels(backend, interpret)
+    o, hT = fwd(prepare(q, C), prepare(k, C), prepare(v, C), prepare_aux(g, doc, C), h0, scale, C)
+    return o.swapaxes(1, 2)[:, :T].astype(q.dtype), hT
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _gla(q, k, v, g, doc, h0, scale, C, backend, interpret):
+    return _run_fwd(q, k, v, g, doc, h0, scale, C, backend, interpret)
+
+
+def _gla_fwd(q, k, v, g, doc, h0, scale, C, backend, interpret):
+    o, hT = _run_fwd(q, k, v, g, doc, h0, scale, C, backend, interpret)
+    return (o, hT), (q, k, v, g, doc, h0, hT)
+
+
+def _gla_bwd(scale, C, backend, interpret, res, cts):
+    q, k, v, g, doc, h0, hT = res
+    do, dhT = cts
+    T = q.shape[1]
+    _, bwd = _kernels(backend, interpret)
+    qp, kp = prepare(q, C), prepare(k, C)
+    dq, dk, dv, dh0 = bwd(qp, kp, prepare(v, C), prepare_aux(g, doc, C), h0, prepare(do, C), dhT, scale, C)
+    f32 = jnp.float32
+    db = jnp.sum(qp.astype(f32) * dq - kp.astype(f32) * dk, axis=-1)  # [B, H, T']
+    db = db.at[..., -1].add(jnp.sum(dhT * hT, axis=(-2, -1)))
+    dg = jnp.flip(jnp.cumsum(jnp.flip(db, -1), -1), -1).swapaxes(1, 2)[:, :T]
+    back = lambda x, like: x.swapaxes(1, 2)[:, :T].astype(like.dtype)
+    return back(dq, q), back(dk, k), back(dv, v), dg.astype(g.dtype), None, dh0.astype(h0.dtype)
+
+
+_gla.defvjp(_gla_fwd, _gla_bwd)
+
+
+def simple_gla(q, k, v, g, *, segment_ids=None, initial_state=None, scale=None, chunk_size=64,
+               backend="auto", return_final_state=False, interpret=None):
+    """Gated linear attention with a scalar log-decay per head or per token.
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, H, V] (bf16 or fp32; accumulation is fp32).
+      g: log-decay <= 0, per head [H] or per token [B, T, H].
+      segment_ids: optional [B, T] ints; the state resets wherever the id changes.
+      initial_state: optional [B, H, K, V] state entering the first segment.
+      scale: query scale, default K^-0.5.
+      chunk_size: tokens per chunk (a multiple of 8).
+      backend: one of BACKENDS.
+      return_final_state: also return the fp32 state after the last token.
+      interpret: run Pallas kernels in interpret mode; default True on CPU.
+    Returns:
+      o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] fp32 if asked.
+    """
+    if q.ndim != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"simple_gla: expected q, k [B,T,H,K] and v [B,T,H,V], got q{q.shape} k{k.shape} v{v.shape}")
+    B, T, H, K = q.shape
+    Vd = v.shape[-1]
+    if g.shape == (H,):
+        g = jnp.broadcast_to(g.astype(jnp.float32), (B, T, H))
+    elif g.shape != (B, T, H):
+        raise ValueError(f"simple_gla: g must be [H]={H,} or [B,T,H]={B, T, H}, got {g.shape}")
+    if chunk_size <= 0 or chunk_size % 8:
+        raise ValueError(f"simple_gla: chunk_size={chunk_size} must be a positive multiple of 8")
+    if segment_ids is None:
+        doc = jnp.zeros((B, T), jnp.int32)
+    elif segment_ids.shape != (B, T):
+        raise ValueError(f"simple_gla: segment_ids must be [B,T]={B, T}, got {segment_ids.shape}")
+    else:
+        doc = doc_index(segment_ids)
+    if initial_state is None:
+        h0 = jnp.zeros((B, H, K, Vd), jnp.float32)
+    elif initial_state.shape != (B, H, K, Vd):
+        raise ValueError(f"simple_gla: initial_state must be [B,H,K,V]={B, H, K, Vd}, got {initial_state.shape}")
+    else:
+        h0 = initial_state
+    scale = K**-0.5 if scale is None else float(scale)
+    backend = resolve_backend(backend)
+    if backend in ("naive", "quadratic"):
+        oracle = gla_reference.naive_recurrence if backend == "naive" else gla_reference.quadratic
+        o, hT = oracle(q, k, v, g, doc, h0, scale)
+        o = o.astype(q.dtype)
+    else:
+        if interpret is None:
+            interpret = jax.default_backend() == "cpu"
+        o, hT = _gla(q, k, v, g, doc, h0, scale, chunk_size, backend, bool(interpret))
+    return (o, hT) if return_final_state else o
+
+
+def simple_gla_step(state, q_t, k_t, v_t, g, *, scale=None, reset=None):
+    """One decode step of the same recurrence.
+
+    Args:
+      state: [B, H, K, V] fp32 state after the previous token.
+      q_t, k_t: [B, H, K]; v_t: [B, H, V].
+      g: log-decay [H] or [B, H].
+      scale: default K^-0.5.
+      reset: optional [B] bool, start a new document at this token (drop the state).
+    Returns:
+      (o_t [B, H, V] in q_t's dtype, new state [B, H, K, V] fp32).
+    """
+    f32 = jnp.float32
+    scale = q_t.shape[-1]**-0.5 if scale is None else scale
+    decay = jnp.broadcast_to(jnp.exp(g.astype(f32)), q_t.shape[:2])
+    if reset is not None:
+        decay = jnp.where(reset[:, None], 0.0, decay)
+    new = decay[..., None, None] * state.astype(f32) + k_t.astype(f32)[..., :, None] * v_t.astype(f32)[..., None, :]
+    o_t = scale * jnp.einsum("bhk,bhkv->bhv", q_t.astype(f32), new, precision=jax.lax.Precision.HIGHEST)
+    return o_t.astype(q_t.dtype), new

@@ -1,0 +1,1 @@
+"""Test-only helpers for ling2.kernels (may import test packages)."""
