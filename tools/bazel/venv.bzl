@@ -28,7 +28,7 @@ exports_files(["python"])
 """
 
 def _run(ctx, args, what):
-    res = ctx.execute(args, timeout = 3600, quiet = False)
+    res = ctx.execute(args, timeout = 3600, quiet = True)
     if res.return_code != 0:
         fail("%s failed (exit %d):\n%s\n%s" % (what, res.return_code, res.stdout, res.stderr))
 
