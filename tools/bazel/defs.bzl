@@ -24,7 +24,7 @@ def ling2_py_test(name, srcs, deps = [], data = [], devices = 0, env = {}, args 
         main = "//tools/bazel:pytest_main.py",
         args = ["$(rootpath %s)" % s for s in srcs] + args,
         deps = deps,
-        data = data,
+        data = data + ["//:requirements_lock.txt"],
         env = test_env,
         size = size,
         python_version = "PY3",
