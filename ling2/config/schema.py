@@ -232,8 +232,6 @@ class Config(*GROUPS):
         need(self.dataset_type in ("mmap", "synthetic"), "dataset_type",
              f"must be 'mmap' or 'synthetic', got {self.dataset_type!r}")
         need(self.opt_type == "adamw", "opt_type", f"only 'adamw' is supported, got {self.opt_type!r}")
-        need(self.max_prefill_predict_length <= self.max_target_length, "max_prefill_predict_length",
-             "exceeds max_target_length")
         for name in ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_expert_parallelism", "ici_tensor_parallelism"):
             v = getattr(self, name)
             need(v == -1 or v >= 1, name, f"must be -1 (fill) or >= 1, got {v}")

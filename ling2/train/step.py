@@ -1,0 +1,146 @@
+"""One optimizer step: gradient accumulation over micro-batches, MoE and MTP losses,
+NaN/Inf skipping, and the once-per-step loss-free bias update.
+
+Batch arrays are [M, b, S] (M = gradient_accumulation_steps micro-batches of b rows).
+Normalisation (`calculate_per_token_loss`):
+  True:  loss = sum of token losses over all micro-batches / all their tokens;
+  False: each micro-batch averages its own tokens, micro-batches weigh 1/M each.
+Both are exact: token totals come from the batch before the forward passes, so each
+micro-batch's objective is already scaled and their gradients simply add up.
+MoE aux losses (already per-token means inside a layer) weigh 1/M per micro-batch.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from ling2.layers.moe_router import RoutedBias
+from ling2.train import model as model_lib
+from ling2.train.optim import global_norm
+
+F32 = jnp.float32
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any  # trainable nnx.State
+    rest: Any  # everything else (expert biases when they take no gradient)
+    opt_state: Any
+    skipped: jax.Array  # consecutive non-finite steps
+    skipped_total: jax.Array
+
+
+def trainable_filter(cfg):
+    return nnx.Any(nnx.Param, RoutedBias) if cfg.enable_routed_bias_grad else nnx.Param
+
+
+def cross_entropy_sums(logits_BTV, targets_BT, weights_BT):
+    """(sum of weighted token CE, sum of weights, sum of weighted argmax hits), all fp32."""
+    logits = logits_BTV.astype(F32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+    w = weights_BT.astype(F32)
+    hits = (jnp.argmax(logits, -1) == targets_BT).astype(F32)
+    return jnp.sum((lse - tgt) * w), jnp.sum(w), jnp.sum(hits * w)
+
+
+def _mtp_weights(cfg, mb):
+    """Per-depth loss weights [K, b, S] of a micro-batch, without a forward pass."""
+    from ling2.layers.mtp import roll_and_mask_by_segment
+    out = []
+    for k in range(1, cfg.mtp_num_layers + 1):
+        w, valid = roll_and_mask_by_segment(mb["loss_weights"], mb["segment_ids"], k)
+        out.append(w * valid)
+    return jnp.stack(out)
+
+
+def forward(graphdef, params, rest, mb, cfg, norms):
+    """Objective of one micro-batch (already scaled for accumulation) and its additive sums."""
+    model = nnx.merge(graphdef, params, rest)
+    valid = mb["segment_ids"] != 0
+    out = model.decoder(mb["inputs"], mb["positions"], mb["segment_ids"], valid)
+    ce, n, hits = cross_entropy_sums(out.logits, mb["targets"], mb["loss_weights"])
+    M = cfg.gradient_accumulation_steps
+    objective = ce / norms["tokens"] if cfg.calculate_per_token_loss else ce / jnp.maximum(n, 1) / M
+    moe_aux = dict(out.moe_aux)
+    sums = {"ce": ce, "tokens": n, "hits": hits, "ce_micro_mean": ce / jnp.maximum(n, 1) / M}
+    if model.mtp is not None:
+        hidden = out.hidden_pre_norm if cfg.mtp_hidden_pre_norm else out.hidden
+        mo = model.mtp(model.decoder.embed, model.decoder.lm_head, hidden, mb["inputs"], mb["targets"],
+                       mb["loss_weights"], mb["positions"], mb["segment_ids"])
+        moe_aux.update(mo.moe_aux)
+        if cfg.calculate_per_token_loss:
+            per_depth = mo.ce_sum / jnp.maximum(norms["mtp_tokens"], 1)
+        else:
+            per_depth = mo.ce_sum / jnp.maximum(mo.ce_count, 1) / M
+        objective += cfg.mtp_loss_scaling_factor * jnp.mean(per_depth)
+        sums.update(mtp_ce=mo.ce_sum, mtp_tokens=mo.ce_count, mtp_correct=mo.correct,
+                    mtp_micro_mean=mo.ce_sum / jnp.maximum(mo.ce_count, 1) / M)
+    aux_loss = sum((a.loss for a in moe_aux.values()), jnp.zeros((), F32))
+    objective += aux_loss / M
+    sums["aux_loss"] = aux_loss
+    sums["moe_counts"] = {i: a.counts.astype(F32) for i, a in moe_aux.items()}
+    sums["moe_stats"] = {i: a.stats for i, a in moe_aux.items()}
+    return objective, sums
+
+
+def train_step(graphdef, tx, cfg, state: TrainState, batch: dict, lr_fn):
+    """Returns (new state, metrics). Pure; jit it with graphdef/tx/cfg/lr_fn static."""
+    M = cfg.gradient_accumulation_steps
+    norms = {"tokens": jnp.maximum(jnp.sum(batch["loss_weights"].astype(F32)), 1)}
+    if cfg.mtp_num_layers:
+        w = jax.vmap(lambda mb: _mtp_weights(cfg, mb))(batch)  # [M, K, b, S]
+        norms["mtp_tokens"] = jnp.sum(w, axis=(0, 2, 3))
+
+    grad_fn = jax.grad(forward, argnums=1, has_aux=True)
+
+    def micro(carry, mb):
+        g_acc, s_acc = carry
+        g, sums = grad_fn(graphdef, state.params, state.rest, mb, cfg, norms)
+        return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, sums)), None
+
+    mb0 = jax.tree.map(lambda x: x[0], batch)
+    sums_shape = jax.eval_shape(lambda: forward(graphdef, state.params, state.rest, mb0, cfg, norms)[1])
+    zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
+    (grads, sums), _ = jax.lax.scan(micro, (zeros(state.params), zeros(sums_shape)), batch)
+
+    if cfg.calculate_per_token_loss:
+        loss = sums["ce"] / jnp.maximum(sums["tokens"], 1)
+    else:
+        loss = sums["ce_micro_mean"]
+    gnorm = global_norm(grads)
+    finite = jnp.isfinite(gnorm) & jnp.isfinite(sums["ce"])
+    updates, new_opt = tx.update(grads, state.opt_state, state.params)
+    new_params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    params = keep(new_params, state.params)
+    opt_state = keep(new_opt, state.opt_state)
+
+    rest = state.rest
+    if cfg.routed_bias and sums["moe_counts"]:
+        model = nnx.merge(graphdef, params, rest)
+        model_lib.apply_bias_updates(model, sums["moe_counts"], cfg)
+        _, _, new_rest = nnx.split(model, trainable_filter(cfg), ...)
+        if not cfg.enable_routed_bias_grad:
+            rest = keep(new_rest, state.rest)
+        else:
+            _, params_b, _ = nnx.split(model, trainable_filter(cfg), ...)
+            params = keep(params_b, params)
+
+    skipped = jnp.where(finite, 0, state.skipped + 1)
+    new_state = TrainState(step=state.step + 1, params=params, rest=rest, opt_state=opt_state, skipped=skipped,
+                           skipped_total=state.skipped_total + (~finite).astype(jnp.int32))
+    metrics = {"loss": loss, "grad_norm": gnorm, "lr": lr_fn(state.step), "finite": finite.astype(F32), "tokens": sums["tokens"],
+               "aux_loss": sums["aux_loss"] / M, "accuracy": sums["hits"] / jnp.maximum(sums["tokens"], 1)}
+    if cfg.mtp_num_layers:
+        mtp = (sums["mtp_ce"] / jnp.maximum(sums["mtp_tokens"], 1) if cfg.calculate_per_token_loss
+               else sums["mtp_micro_mean"])
+        metrics["mtp_loss"] = {f"depth_{k + 1}": mtp[k] for k in range(cfg.mtp_num_layers)}
+        metrics["mtp_acceptance"] = {f"depth_{k + 1}": sums["mtp_correct"][k] / jnp.maximum(sums["mtp_tokens"][k], 1)
+                                     for k in range(cfg.mtp_num_layers)}
+        metrics["mtp_total"] = cfg.mtp_loss_scaling_factor * jnp.mean(mtp)
+    metrics["moe"] = {"counts": sums["moe_counts"], "stats": sums["moe_stats"]}
+    return new_state, metrics

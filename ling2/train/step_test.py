@@ -1,0 +1,134 @@
+"""Train-step semantics on a micro Ling2 (2 layers: GLA + MLA, dense then MoE).
+
+References: gradient accumulation is checked against the same step on the whole batch
+(per-token mode) and against a hand computation from per-micro-batch losses (the other
+mode); the bias update against `update_routed_bias` applied by hand.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ling2.config import load_config
+from ling2.layers.moe_router import update_routed_bias
+from ling2.train import step as S
+from ling2.train.model import Model, bias_rows
+from ling2.train.optim import make_optimizer
+
+MICRO = dict(model_name="ling2-tiny", base_num_decoder_layers=2, inhomogeneous_layer_cycle_interval=2,
+             mtp_num_layers=0, base_emb_dim=64, base_mlp_dim=128, num_experts=8, num_experts_per_tok=2,
+             n_routing_groups=1, topk_routing_group=1, vocab_size=128, max_target_length=16, warmup_steps_fraction=0.0,
+             lr_schedule="constant", gradient_clipping_threshold=0.0, adam_weight_decay=0.0)
+
+
+def make(**kw):
+    cfg = load_config(**{**MICRO, **kw})
+    model = Model(cfg, rngs=nnx.Rngs(0))
+    gd, params, rest = nnx.split(model, S.trainable_filter(cfg), ...)
+    tx, sched = make_optimizer(cfg, params)
+    z = lambda: jnp.zeros((), jnp.int32)
+    state = S.TrainState(step=z(), params=params, rest=rest, opt_state=tx.init(params), skipped=z(), skipped_total=z())
+    fn = jax.jit(functools.partial(S.train_step, gd, tx, cfg, lr_fn=sched))
+    return cfg, gd, state, fn
+
+
+def batch(M, b, T=16, seed=0, vocab=128, uneven=False):
+    r = np.random.default_rng(seed)
+    ids = r.integers(0, vocab, (M, b, T + 1))
+    w = np.ones((M, b, T), np.float32)
+    if uneven:  # different token counts per micro-batch
+        for m in range(M):
+            w[m, :, T - 3 * m:] = 0
+    return dict(inputs=jnp.asarray(ids[..., :-1]), targets=jnp.asarray(ids[..., 1:]),
+                positions=jnp.broadcast_to(jnp.arange(T), (M, b, T)), segment_ids=jnp.ones((M, b, T), jnp.int32),
+                loss_weights=jnp.asarray(w))
+
+
+def reshape(b, M):
+    return jax.tree.map(lambda x: x.reshape(M, -1, *x.shape[2:]), b)
+
+
+def test_cross_entropy_sums_against_numpy():
+    r = np.random.default_rng(1)
+    logits = r.normal(size=(2, 3, 5)).astype(np.float32)
+    tgt = r.integers(0, 5, (2, 3))
+    w = np.array([[1, 0, 1], [1, 1, 0]], np.float32)
+    lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    ref = ((lse - np.take_along_axis(logits, tgt[..., None], -1)[..., 0]) * w).sum()
+    ce, n, _ = S.cross_entropy_sums(jnp.asarray(logits), jnp.asarray(tgt), jnp.asarray(w))
+    np.testing.assert_allclose(float(ce), ref, rtol=1e-5)
+    assert float(n) == 4
+
+
+def test_grad_accumulation_per_token_equals_full_batch():
+    full = batch(1, 8, uneven=False)
+    full["loss_weights"] = full["loss_weights"].at[0, :3, 10:].set(0)  # uneven rows
+    _, _, s1, f1 = make(gradient_accumulation_steps=1, calculate_per_token_loss=True)
+    _, _, s4, f4 = make(gradient_accumulation_steps=4, calculate_per_token_loss=True)
+    n1, m1 = f1(s1, full)
+    n4, m4 = f4(s4, reshape(full, 4))
+    np.testing.assert_allclose(float(m4["loss"]), float(m1["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(float(m4["grad_norm"]), float(m1["grad_norm"]), rtol=2e-4)
+    for a, b in zip(jax.tree.leaves(n1.params), jax.tree.leaves(n4.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)  # Adam step ~lr=3e-4
+
+
+def test_grad_accumulation_micro_mean_mode_matches_hand_computation():
+    M = 4
+    b = batch(M, 2, uneven=True)
+    cfg, gd, s, f = make(gradient_accumulation_steps=M, calculate_per_token_loss=False)
+    _, m = f(s, b)
+    model = nnx.merge(gd, s.params, s.rest)
+    means = []
+    for i in range(M):
+        out = model.decoder(b["inputs"][i], b["positions"][i], b["segment_ids"][i])
+        ce, n, _ = S.cross_entropy_sums(out.logits, b["targets"][i], b["loss_weights"][i])
+        means.append(float(ce) / float(n))
+    # Each micro-batch averages its own tokens, then micro-batches weigh equally.
+    np.testing.assert_allclose(float(m["loss"]), np.mean(means), rtol=1e-5)
+    tokens = [float(b["loss_weights"][i].sum()) for i in range(M)]
+    assert len(set(tokens)) > 1  # the two modes really differ on this batch
+    per_token = sum(mm * t for mm, t in zip(means, tokens)) / sum(tokens)
+    assert abs(per_token - np.mean(means)) > 1e-4
+
+
+def test_overfit_repeated_batch():
+    cfg, gd, s, f = make(learning_rate=3e-3)
+    b = batch(1, 4, seed=3)
+    first = None
+    for _ in range(40):
+        s, m = f(s, b)
+        first = float(m["loss"]) if first is None else first
+    assert float(m["loss"]) < 0.5 * first, (first, float(m["loss"]))
+
+
+def test_bias_updated_once_per_optimizer_step_from_summed_counts():
+    M = 2
+    cfg, gd, s, f = make(gradient_accumulation_steps=M, routed_bias_update_rate=0.01, routed_bias_zero_mean_update=True)
+    b = batch(M, 2, seed=5)
+    new, m = f(s, b)
+    before = {tuple(idx): np.asarray(v[...]) for v, idx in bias_rows(nnx.merge(gd, s.params, s.rest))}
+    after = {tuple(idx): np.asarray(v[...]) for v, idx in bias_rows(nnx.merge(gd, new.params, new.rest))}
+    assert before.keys() == after.keys() and before
+    for idx, old in before.items():
+        counts = np.asarray(m["moe"]["counts"][idx[0]])
+        assert counts.sum() == M * 2 * 16 * cfg.num_experts_per_tok  # summed over both micro-batches
+        want = update_routed_bias(jnp.asarray(old), jnp.asarray(counts), 0.01, True)
+        np.testing.assert_allclose(after[idx], np.asarray(want), atol=1e-7)
+        assert not np.allclose(after[idx], old)
+    # The bias takes no gradient and is not in the optimizer.
+    assert not any("expert_bias" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(s.params))
+
+
+def test_non_finite_step_is_skipped():
+    cfg, gd, s, f = make()
+    b = batch(1, 2)
+    b["loss_weights"] = b["loss_weights"].at[0, 0, 0].set(jnp.nan)
+    new, m = f(s, b)
+    assert int(new.skipped) == 1 and int(new.skipped_total) == 1 and float(m["finite"]) == 0
+    for a, c in zip(jax.tree.leaves(s.params), jax.tree.leaves(new.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))

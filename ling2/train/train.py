@@ -1,0 +1,79 @@
+"""Ling2 trainer: `bazel run //ling2/train:train -- [--config=FILE] [--run_dir=DIR] key=value ...`
+
+With no arguments it trains ling2-tiny on the bundled sample data on CPU
+(configs/train/tiny_sample.yml). Every config key can be overridden as key=value;
+flags cover what is not model config.
+"""
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("config", "configs/train/tiny_sample.yml",
+                    "Root config file (relative paths: the working directory, then the repository).")
+flags.DEFINE_string("run_dir", "runs/ling2-tiny", "Where checkpoints and metrics go (relative: the working directory).")
+flags.DEFINE_bool("dry_run", False, "Compile the train step for the mesh, print memory per device, don't train.")
+flags.DEFINE_integer("max_consecutive_skips", 5, "Stop after this many non-finite steps in a row.")
+flags.DEFINE_bool("tensorboard", True, "Write TensorBoard event files next to metrics.jsonl.")
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0 for multi-host (or LING2_COORDINATOR).")
+flags.DEFINE_integer("num_processes", None, "Number of processes (or LING2_NUM_PROCESSES).")
+flags.DEFINE_integer("process_id", None, "This process's index (or LING2_PROCESS_ID).")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def user_path(p: str) -> Path:
+    """A user-given path: absolute, else relative to where `bazel run` was called."""
+    path = Path(p)
+    if path.is_absolute():
+        return path
+    return Path(os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd())) / path
+
+
+def find_file(p: str) -> Path:
+    """A user path if it exists, else the same path inside the repository (bundled files)."""
+    up = user_path(p)
+    return up if up.exists() or Path(p).is_absolute() else REPO / p
+
+
+def main(argv):
+    from ling2.config import ConfigError, load_config
+    from ling2.train import distributed
+
+    distributed.maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    try:
+        cfg = load_config(*argv[1:], config_file=find_file(FLAGS.config))
+    except ConfigError as e:
+        print(f"error: bad config: {e}", file=sys.stderr)
+        return 2
+
+    from ling2.data.pipeline import DataError
+    from ling2.train.checkpoint import CheckpointError
+    from ling2.train.data import make_iterator_factory
+    from ling2.train.loop import TrainingError, run
+
+    run_dir = user_path(FLAGS.run_dir)
+    try:
+        result = run(cfg, run_dir, make_iterator_factory(find_file), max_consecutive_skips=FLAGS.max_consecutive_skips,
+                     dry_run=FLAGS.dry_run, tensorboard=FLAGS.tensorboard)
+    except (DataError, CheckpointError, TrainingError, ConfigError) as e:
+        first, _, detail = str(e).partition("\n")
+        print(f"error: {type(e).__name__}: {first}", file=sys.stderr)
+        if detail:
+            print(detail, file=sys.stderr)
+        return 2
+    except Exception:  # noqa: BLE001 - a last resort that still says what happened
+        traceback.print_exc()
+        return 1
+    if not FLAGS.dry_run:
+        print(f"checkpoints: {result.checkpoint_dir}")
+        print(f"metrics:     {result.metrics_path} (TensorBoard: {result.run_dir / 'tensorboard'})")
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(lambda argv: sys.exit(main(argv)))
