@@ -13,7 +13,7 @@ import yaml
 
 from ling2.config.schema import GROUPS, Config
 
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS_DIR = Path(os.path.abspath(__file__)).parents[2] / "configs"  # runfiles tree under Bazel
 BASE_CONFIG = CONFIGS_DIR / "base.yml"
 
 

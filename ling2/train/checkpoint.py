@@ -39,6 +39,9 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state, data_iter, meta: dict, force: bool = False) -> bool:
+        """Saves at the configured interval (or always with force); a step already saved is kept."""
+        if step in self.manager.all_steps():
+            return False
         args = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
         if data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointSave(data_iter)

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from ling2.layers import sharding
+from ling2.layers.counting import training_flops_per_token
 from ling2.layers.moe_router import router_metrics
 from ling2.train import step as step_lib
 from ling2.train.checkpoint import Checkpointer
@@ -134,20 +135,22 @@ def peak_flops_per_device() -> float:
     return 10 * 2 * n**3 / (time.perf_counter() - t) / max(len(jax.local_devices()), 1)
 
 
-def run(cfg, run_dir, make_iter: Callable[[object, str], Iterator], *, max_consecutive_skips: int = 5,
+def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_consecutive_skips: int = 5,
         dry_run: bool = False, tensorboard: bool = True, log: Callable[[str], None] = print,
-        stop_after: Optional[int] = None) -> RunResult:
-    """Trains `cfg.steps` steps (resuming from the latest checkpoint in run_dir)."""
-    from ling2.layers.counting import training_flops_per_token
+        stop_after: Optional[int] = None, devices=None) -> RunResult:
+    """Trains `cfg.steps` steps (resuming from the latest checkpoint in run_dir).
 
+    make_iter(cfg, split, num_devices) gives this host's batches [M, b, S]; `devices`
+    (default: all) make the mesh.
+    """
     run_dir = Path(run_dir)
-    mesh = sharding.make_mesh(cfg)
+    mesh = sharding.make_mesh(cfg, devices)
     gd, tx, sched, state = init_state(cfg, mesh)
     step_fn = jax.jit(functools.partial(step_lib.train_step, gd, tx, cfg, lr_fn=sched), donate_argnums=(0,))
     log(f"model: {cfg.model_name}, {count_params(nnx.merge(gd, state.params, state.rest)) / 1e6:.2f}M params, "
         f"mesh {dict(mesh.shape)}")
 
-    train_iter = make_iter(cfg, "train")
+    train_iter = make_iter(cfg, "train", mesh.size)
     if dry_run:
         batch = to_global(next(train_iter), cfg, mesh)
         with sharding.use_mesh(mesh, cfg.logical_axis_rules):
@@ -174,12 +177,11 @@ def run(cfg, run_dir, make_iter: Callable[[object, str], Iterator], *, max_conse
 
     writer = MetricsWriter(run_dir, tensorboard=tensorboard)
     flops_tok = training_flops_per_token(cfg)
-    peak = peak_flops_per_device() * jax.device_count()
+    peak = peak_flops_per_device() * mesh.size
     tokens_per_step = None
     losses, stopped = {}, False
     t_window, wait_window, steps_window = time.perf_counter(), 0.0, 0
     t_start = time.perf_counter()
-    last_metrics = None
     with _Signals() as sig, sharding.use_mesh(mesh, cfg.logical_axis_rules):
         step = start
         while step < cfg.steps:
@@ -206,8 +208,6 @@ def run(cfg, run_dir, make_iter: Callable[[object, str], Iterator], *, max_conse
                         ckpt.close()
                     raise TrainingError(f"{max_consecutive_skips} consecutive non-finite steps at step {step}; "
                                         f"stopping with the last good checkpoint kept")
-            if ckpt is not None:
-                ckpt.save(step, _fields(state), train_iter, {"step": step})
             if step % cfg.log_period == 0 or step == cfg.steps:
                 m = jax.device_get(metrics)
                 dt = time.perf_counter() - t_window
@@ -224,7 +224,8 @@ def run(cfg, run_dir, make_iter: Callable[[object, str], Iterator], *, max_conse
                 eta = (cfg.steps - step) * dt / steps_window
                 log(progress_line(step, cfg.steps, m, eta))
                 t_window, wait_window, steps_window = time.perf_counter(), 0.0, 0
-                last_metrics = m
+            if ckpt is not None:  # after logging, so every checkpointed step has its metrics
+                ckpt.save(step, _fields(state), train_iter, {"step": step})
     if ckpt is not None:
         ckpt.save(step, _fields(state), train_iter, {"step": step}, force=True)
         ckpt.close()
@@ -236,7 +237,7 @@ def run(cfg, run_dir, make_iter: Callable[[object, str], Iterator], *, max_conse
 
 def evaluate(cfg, mesh, gd, state, make_iter) -> float:
     """Token-averaged CE over cfg.eval_steps batches of the validation split."""
-    it = make_iter(cfg, "valid")
+    it = make_iter(cfg, "valid", mesh.size)
 
     @jax.jit
     def ce(params, rest, mb):

@@ -1,22 +1,17 @@
-"""The trained model: the Ling2 decoder plus, when configured, the MTP modules."""
+"""The trained model and its expert-bias bookkeeping (loss-free balancing across layers)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ling2.layers.decoder import build_decoder
+from ling2.layers.mtp import DecoderWithMTP
 from ling2.layers.moe import bias_update
 from ling2.layers.moe_router import RoutedBias
 
 
-class Model(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        self.decoder = build_decoder(cfg, rngs=rngs)
-        self.mtp = None
-        if cfg.mtp_num_layers:
-            from ling2.layers.mtp import MTP
-            self.mtp = MTP(cfg, rngs=rngs)
+# The trained model: the decoder plus, when cfg.mtp_num_layers > 0, its MTP modules.
+Model = DecoderWithMTP
 
 
 def bias_rows(model: Model) -> list[tuple[RoutedBias, list[int]]]:
@@ -44,8 +39,8 @@ def bias_rows(model: Model) -> list[tuple[RoutedBias, list[int]]]:
         for j, layer in enumerate(d.suffix):
             add(layer, [d.num_layers_before_suffix() + j])
     if model.mtp is not None:
-        for layer, idx in model.mtp.layers_with_index():
-            add(layer, [idx])
+        for k, depth in enumerate(model.mtp.depths):
+            add(depth.layer, [model.mtp.first_layer_idx + k])
     return out
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from ling2.layers.moe_router import RoutedBias
+from ling2.layers.mtp import depth_token_counts
 from ling2.train import model as model_lib
 from ling2.train.optim import global_norm
 
@@ -47,16 +48,6 @@ def cross_entropy_sums(logits_BTV, targets_BT, weights_BT):
     return jnp.sum((lse - tgt) * w), jnp.sum(w), jnp.sum(hits * w)
 
 
-def _mtp_weights(cfg, mb):
-    """Per-depth loss weights [K, b, S] of a micro-batch, without a forward pass."""
-    from ling2.layers.mtp import roll_and_mask_by_segment
-    out = []
-    for k in range(1, cfg.mtp_num_layers + 1):
-        w, valid = roll_and_mask_by_segment(mb["loss_weights"], mb["segment_ids"], k)
-        out.append(w * valid)
-    return jnp.stack(out)
-
-
 def forward(graphdef, params, rest, mb, cfg, norms):
     """Objective of one micro-batch (already scaled for accumulation) and its additive sums."""
     model = nnx.merge(graphdef, params, rest)
@@ -70,7 +61,7 @@ def forward(graphdef, params, rest, mb, cfg, norms):
     if model.mtp is not None:
         hidden = out.hidden_pre_norm if cfg.mtp_hidden_pre_norm else out.hidden
         mo = model.mtp(model.decoder.embed, model.decoder.lm_head, hidden, mb["inputs"], mb["targets"],
-                       mb["loss_weights"], mb["positions"], mb["segment_ids"])
+                       mb["loss_weights"], mb["positions"], mb["segment_ids"], valid)
         moe_aux.update(mo.moe_aux)
         if cfg.calculate_per_token_loss:
             per_depth = mo.ce_sum / jnp.maximum(norms["mtp_tokens"], 1)
@@ -92,8 +83,9 @@ def train_step(graphdef, tx, cfg, state: TrainState, batch: dict, lr_fn):
     M = cfg.gradient_accumulation_steps
     norms = {"tokens": jnp.maximum(jnp.sum(batch["loss_weights"].astype(F32)), 1)}
     if cfg.mtp_num_layers:
-        w = jax.vmap(lambda mb: _mtp_weights(cfg, mb))(batch)  # [M, K, b, S]
-        norms["mtp_tokens"] = jnp.sum(w, axis=(0, 2, 3))
+        per_micro = jax.vmap(lambda w, s: depth_token_counts(w, s, cfg.mtp_num_layers))(
+            batch["loss_weights"], batch["segment_ids"])  # [M, K]
+        norms["mtp_tokens"] = jnp.sum(per_micro, axis=0)
 
     grad_fn = jax.grad(forward, argnums=1, has_aux=True)
 

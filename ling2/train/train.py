@@ -23,7 +23,7 @@ flags.DEFINE_string("coordinator_address", None, "host:port of process 0 for mul
 flags.DEFINE_integer("num_processes", None, "Number of processes (or LING2_NUM_PROCESSES).")
 flags.DEFINE_integer("process_id", None, "This process's index (or LING2_PROCESS_ID).")
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(os.path.abspath(__file__)).parents[2]  # the runfiles tree under Bazel
 
 
 def user_path(p: str) -> Path:
@@ -51,9 +51,8 @@ def main(argv):
         print(f"error: bad config: {e}", file=sys.stderr)
         return 2
 
-    from ling2.data.pipeline import DataError
     from ling2.train.checkpoint import CheckpointError
-    from ling2.train.data import make_iterator_factory
+    from ling2.train.data import DataError, make_iterator_factory
     from ling2.train.loop import TrainingError, run
 
     run_dir = user_path(FLAGS.run_dir)

@@ -1,0 +1,68 @@
+"""The trainer's view of the data pipeline: batches shaped [M, b, S] for gradient accumulation.
+
+Relative prefixes in `data_path` resolve through `find_file` (the user's directory first,
+then the repository for bundled data).
+"""
+
+import json
+
+import numpy as np
+
+from ling2.data import pipeline
+
+
+class DataError(ValueError):
+    """Bad data input (missing file, malformed index, empty split, ...)."""
+
+
+def resolve_data_path(data_path: str, find_file) -> str:
+    """Maps every prefix of a Megatron-style 'w1 p1 w2 p2' (or a single prefix) through find_file."""
+    parts = data_path.split()
+
+    def is_number(s):
+        try:
+            float(s)
+            return True
+        except ValueError:
+            return False
+
+    return " ".join(p if is_number(p) else str(find_file(p)) for p in parts)
+
+
+class MicroBatches:
+    """Wraps a grain iterator of [M*b, S] batches as [M, b, S]; keeps its checkpointable state."""
+
+    def __init__(self, inner, micro: int):
+        self.inner, self.micro = inner, micro
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self.inner)
+        return {k: np.asarray(v).reshape(self.micro, -1, *np.shape(v)[1:]) for k, v in batch.items()}
+
+    def get_state(self) -> bytes:
+        return json.dumps(self.inner.get_state()).encode()
+
+    def set_state(self, state: bytes) -> None:
+        self.inner.set_state(json.loads(state))
+
+    def start_prefetch(self) -> None:
+        if hasattr(self.inner, "start_prefetch"):
+            self.inner.start_prefetch()
+
+
+def make_iterator_factory(find_file):
+    """(cfg, split, num_devices) -> MicroBatches over this host's share of each global batch."""
+
+    def make(cfg, split: str, num_devices: int) -> MicroBatches:
+        if cfg.dataset_type == "mmap":
+            cfg = cfg.model_copy(update={"data_path": resolve_data_path(cfg.data_path, find_file)})
+        try:
+            it = pipeline.make_data_iterator(cfg, num_devices, split)
+        except (ValueError, OSError) as e:
+            raise DataError(f"data ({split} split, data_path={cfg.data_path!r}): {e}") from e
+        return MicroBatches(it, cfg.gradient_accumulation_steps)
+
+    return make
