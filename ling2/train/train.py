@@ -41,9 +41,14 @@ def find_file(p: str) -> Path:
 
 
 def main(argv):
+    from absl import logging
+
+    import jax
+
     from ling2.config import ConfigError, load_config
     from ling2.train import distributed
 
+    logging.set_verbosity(logging.WARNING)  # library INFO chatter (orbax) off; our own lines are printed
     distributed.maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     try:
         cfg = load_config(*argv[1:], config_file=find_file(FLAGS.config))
@@ -68,7 +73,7 @@ def main(argv):
     except Exception:  # noqa: BLE001 - a last resort that still says what happened
         traceback.print_exc()
         return 1
-    if not FLAGS.dry_run:
+    if not FLAGS.dry_run and jax.process_index() == 0:
         print(f"checkpoints: {result.checkpoint_dir}")
         print(f"metrics:     {result.metrics_path} (TensorBoard: {result.run_dir / 'tensorboard'})")
     return 0

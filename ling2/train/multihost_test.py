@@ -1,0 +1,19 @@
+"""A 2-process multi-host run (jax.distributed, gloo CPU collectives) on localhost completes."""
+
+import socket
+
+from ling2.train.testing import e2e
+
+
+def test_two_process_multihost_run_completes(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [e2e.start(tmp_path, "steps=3", "checkpoint_period=3", LING2_COORDINATOR=f"127.0.0.1:{port}",
+                    LING2_NUM_PROCESSES="2", LING2_PROCESS_ID=str(i), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+             for i in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sorted(e2e.losses(tmp_path)) == [1, 2, 3]
+    data_state = sorted(p.name for p in (tmp_path / "checkpoints" / "3" / "data").glob("*.json"))
+    assert data_state == ["process_0-of-2.json", "process_1-of-2.json"]

@@ -1,0 +1,57 @@
+"""Helpers for end-to-end trainer tests: a micro Ling2 on the bundled sample data, the
+trainer binary in a subprocess, and readers for what a run leaves behind."""
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+MICRO = ["model_name=ling2-tiny", "base_num_decoder_layers=2", "inhomogeneous_layer_cycle_interval=2",
+         "base_emb_dim=64", "base_mlp_dim=128", "num_experts=8", "num_experts_per_tok=2", "n_routing_groups=1",
+         "topk_routing_group=1", "max_target_length=32", "per_device_batch_size=2", "eval_interval=0",
+         "eval_steps=0", "data_split=98,2,0", "log_period=1", "warmup_steps_fraction=0"]
+
+
+def binary():
+    return [str(Path(os.environ["TEST_SRCDIR"]) / os.environ["TEST_WORKSPACE"] / "ling2/train/train")]
+
+
+def env(**extra):
+    """The test's environment for a trainer subprocess: CPU, one device unless XLA_FLAGS is given."""
+    out = dict(os.environ, JAX_PLATFORMS="cpu")
+    out.pop("XLA_FLAGS", None)
+    out.update(extra)
+    return out
+
+
+def losses(run_dir) -> dict:
+    out = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        out[d["step"]] = d["loss"]  # a resumed run's record replaces the earlier one
+    return out
+
+
+def start(run_dir, *overrides, **extra_env):
+    """Starts the trainer on the micro model with extra key=value overrides."""
+    return subprocess.Popen(binary() + [f"--run_dir={run_dir}", "--notensorboard", "--", *MICRO, *overrides],
+                            env=env(**extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(pred, proc, timeout=300):
+    t = time.time()
+    while not pred():
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer exited early:\n{proc.stdout.read()}")
+        if time.time() - t > timeout:
+            proc.kill()
+            raise AssertionError("timed out")
+        time.sleep(0.02)
+
+
+def saved_steps(run_dir):
+    d = Path(run_dir) / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+

@@ -1,0 +1,72 @@
+"""Trainer faults: one-line errors for bad config/data, shape-mismatched checkpoints, NaN steps, dry run."""
+
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+
+from ling2.config import load_config
+from ling2.train import loop
+from ling2.train.checkpoint import CheckpointError
+from ling2.train.data import make_iterator_factory
+from ling2.train.testing import e2e
+from ling2.train.train import find_file
+
+
+def test_bad_config_and_bad_data_are_one_line_errors(tmp_path):
+    r = subprocess.run(e2e.binary() + [f"--run_dir={tmp_path}", "num_expertz=3"], env=e2e.env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and "error: bad config" in r.stderr and "num_experts" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = subprocess.run(e2e.binary() + [f"--run_dir={tmp_path}", "--", *e2e.MICRO, "data_path=/nonexistent/prefix"],
+                       env=e2e.env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "DataError" in r.stderr and "/nonexistent/prefix" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_checkpoint_into_other_shape_names_parameter(tmp_path):
+    cfg = load_config(*e2e.MICRO, "steps=2", "checkpoint_period=1", "async_checkpointing=false",
+                      config_file=find_file("configs/train/tiny_sample.yml"))
+    make = make_iterator_factory(find_file)
+    loop.run(cfg, tmp_path, make, tensorboard=False, log=lambda s: None, devices=jax.devices()[:1])
+    bigger = cfg.model_copy(update={"base_emb_dim": 96, "steps": 4})
+    with pytest.raises(CheckpointError, match=r"embedding.*\(8192, 64\).*\(8192, 96\)"):
+        loop.run(bigger, tmp_path, make, tensorboard=False, log=lambda s: None, devices=jax.devices()[:1])
+
+
+def test_dry_run_prints_memory(tmp_path):
+    r = subprocess.run(e2e.binary() + [f"--run_dir={tmp_path}", "--dry_run", "--", *e2e.MICRO], env=e2e.env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "temp_size_in_bytes" in r.stdout and "MiB" in r.stdout
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_consecutive_non_finite_steps_stop_with_last_good_checkpoint(tmp_path):
+    cfg = load_config(*e2e.MICRO, "steps=10", "checkpoint_period=2", "async_checkpointing=false",
+                      config_file=find_file("configs/train/tiny_sample.yml"))
+    real = make_iterator_factory(find_file)
+
+    class Poisoned:
+        """Real batches, then NaN loss weights from the 3rd batch on."""
+
+        def __init__(self, it):
+            self.it, self.n = it, 0
+
+        def __next__(self):
+            b = next(self.it)
+            self.n += 1
+            if self.n >= 3:
+                b["loss_weights"] = b["loss_weights"] * np.nan
+            return b
+
+        def __getattr__(self, name):  # get_state / set_state for checkpoints
+            return getattr(self.it, name)
+
+    logs = []
+    with pytest.raises(loop.TrainingError, match="2 consecutive non-finite steps"):
+        loop.run(cfg, tmp_path, lambda c, s, n: Poisoned(real(c, s, n)), max_consecutive_skips=2,
+                 tensorboard=False, log=logs.append, devices=jax.devices()[:1])
+    assert any("update skipped" in line for line in logs)
+    assert e2e.saved_steps(tmp_path) == [2]  # skipped steps are never checkpointed

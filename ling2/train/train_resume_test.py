@@ -1,0 +1,41 @@
+"""The trainer binary: kill -9 then resume reproduces the losses; SIGTERM saves and exits 0."""
+
+import signal
+
+from ling2.train.testing import e2e
+
+
+def test_kill9_then_resume_reproduces_uninterrupted_losses(tmp_path):
+    common = ["steps=40", "checkpoint_period=4", "async_checkpointing=false"]
+    ref = e2e.start(tmp_path / "ref", *common)
+    out, _ = ref.communicate(timeout=600)
+    assert ref.returncode == 0, out
+    assert "checkpoints:" in out and "metrics:" in out
+    want = e2e.losses(tmp_path / "ref")
+    assert sorted(want) == list(range(1, 41))
+
+    run = tmp_path / "killed"
+    p = e2e.start(run, *common)
+    e2e.wait_for(lambda: any(s >= 8 for s in e2e.saved_steps(run)), p)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    killed_at = max(e2e.losses(run))
+    assert killed_at < 40, "the run finished before it was killed"
+    p = e2e.start(run, *common)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    assert "resumed from" in out
+    got = e2e.losses(run)
+    assert sorted(got) == list(range(1, 41))
+    assert got == want  # bit-identical per-step losses
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    p = e2e.start(tmp_path, "steps=100000", "checkpoint_period=1000")
+    e2e.wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and len(e2e.losses(tmp_path)) >= 2, p)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    assert "received SIGTERM" in out
+    saved = e2e.saved_steps(tmp_path)
+    assert saved and saved[-1] >= 2 and saved[-1] < 1000

@@ -1,0 +1,111 @@
+"""Trainer benchmark: steps/s, tokens/s, CPU MFU, data-wait fraction, checkpoint cost, memory.
+
+    bazel run //tools/bench/train:bench -- --out=/tmp/train_bench.json
+
+For each model (ling2-tiny on the bundled sample data, ling2-small on synthetic data) it
+times `--steps` train steps after compilation, the data wait between them, a blocking
+checkpoint save, and how long an async save blocks the loop (target < 10% of a save).
+Memory per device comes from XLA's memory analysis of the compiled step.
+"""
+
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+from absl import app, flags
+
+flags.DEFINE_string("out", "train_bench.json", "JSON output path (relative: the working directory).")
+flags.DEFINE_integer("steps", 10, "Timed steps per model.")
+flags.DEFINE_list("models", ["ling2-tiny", "ling2-small"], "Models to run.")
+flags.DEFINE_integer("seq", 256, "Sequence length.")
+flags.DEFINE_integer("batch", 4, "Per-device batch size.")
+FLAGS = flags.FLAGS
+
+
+def bench_model(name: str) -> dict:
+    from ling2.config import load_config
+    from ling2.layers import sharding
+    from ling2.layers.counting import count_params, training_flops_per_token
+    from ling2.train import loop
+    from ling2.train import step as step_lib
+    from ling2.train.checkpoint import Checkpointer
+    from ling2.train.data import make_iterator_factory
+    from ling2.train.train import find_file
+
+    over = dict(model_name=name, max_target_length=FLAGS.seq, per_device_batch_size=FLAGS.batch,
+                steps=FLAGS.steps + 3, eval_interval=0, eval_steps=0, data_split="98,2,0", scan_layers=True)
+    if name != "ling2-tiny":
+        over["dataset_type"] = "synthetic"
+    cfg = load_config(over, config_file=find_file("configs/train/tiny_sample.yml"))
+    mesh = sharding.make_mesh(cfg)
+    gd, tx, sched, state = loop.init_state(cfg, mesh)
+    step_fn = jax.jit(functools.partial(step_lib.train_step, gd, tx, cfg, lr_fn=sched), donate_argnums=(0,))
+    it = make_iterator_factory(find_file)(cfg, "train", mesh.size)
+    with sharding.use_mesh(mesh, cfg.logical_axis_rules):
+        batch = loop.to_global(next(it), cfg, mesh)
+        compiled = step_fn.lower(state, batch).compile()
+        mem = compiled.memory_analysis()
+        for _ in range(2):  # warm-up: the second call sees committed output shardings
+            state, m = step_fn(state, batch)
+        jax.block_until_ready(m)
+        wait = 0.0
+        t0 = time.perf_counter()
+        for _ in range(FLAGS.steps):
+            t = time.perf_counter()
+            batch = loop.to_global(next(it), cfg, mesh)
+            wait += time.perf_counter() - t
+            state, m = step_fn(state, batch)
+        jax.block_until_ready(m)
+        dt = time.perf_counter() - t0
+    tokens = FLAGS.steps * batch["inputs"].size
+    tps = tokens / dt
+    peak = loop.peak_flops_per_device() * mesh.size
+    with tempfile.TemporaryDirectory() as d:
+        fields = {f: getattr(state, f) for f in ("step", "params", "rest", "opt_state", "skipped", "skipped_total")}
+        sync = Checkpointer(os.path.join(d, "sync"), cfg.model_copy(update={"async_checkpointing": False}))
+        t = time.perf_counter()
+        sync.save(1, fields, it, {"step": 1}, force=True)
+        sync.wait()
+        save_s = time.perf_counter() - t
+        sync.close()
+        asyn = Checkpointer(os.path.join(d, "async"), cfg.model_copy(update={"async_checkpointing": True}))
+        asyn.save(1, fields, it, {"step": 1}, force=True)  # first save also creates the layout
+        asyn.wait()
+        t = time.perf_counter()
+        asyn.save(2, fields, it, {"step": 2}, force=True)
+        blocked_s = time.perf_counter() - t
+        asyn.close()
+    per_device = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                  - mem.alias_size_in_bytes)
+    return {"model": name, "params_M": count_params(cfg)["total"] / 1e6, "steps_per_s": FLAGS.steps / dt,
+            "tokens_per_s": tps, "mfu": tps * training_flops_per_token(cfg) / peak, "data_wait_frac": wait / dt,
+            "ckpt_save_s": save_s, "ckpt_blocked_s": blocked_s, "blocked_frac_of_save": blocked_s / save_s,
+            "mem_per_device_MiB": per_device / 2**20}
+
+
+def main(argv):
+    rows = [bench_model(n) for n in FLAGS.models]
+    cols = ["model", "params_M", "steps_per_s", "tokens_per_s", "mfu", "data_wait_frac", "ckpt_save_s",
+            "ckpt_blocked_s", "blocked_frac_of_save", "mem_per_device_MiB"]
+    print(" | ".join(f"{c:>14s}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:>14.4g}" if isinstance(r[c], float) else f"{r[c]:>14s}" for c in cols))
+    targets = {"data_wait_frac < 0.05": all(r["data_wait_frac"] < 0.05 for r in rows),
+               "blocked_frac_of_save < 0.10": all(r["blocked_frac_of_save"] < 0.10 for r in rows)}
+    print("targets:", targets)
+    out = FLAGS.out if os.path.isabs(FLAGS.out) else os.path.join(os.environ.get("BUILD_WORKING_DIRECTORY", "."),
+                                                                  FLAGS.out)
+    with open(out, "w") as f:
+        json.dump({"device": str(jax.devices()[0].device_kind), "num_devices": jax.device_count(),
+                   "steps": FLAGS.steps, "seq": FLAGS.seq, "batch": FLAGS.batch, "rows": rows, "targets": targets},
+                  f, indent=2)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(lambda argv: sys.exit(main(argv)))

@@ -1,0 +1,88 @@
+"""Plots loss, learning rate and throughput from a run's metrics.jsonl into one PNG.
+
+    bazel run //tools:plot_metrics -- --metrics=runs/ling2-tiny/metrics.jsonl --out=curves.png
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+flags.DEFINE_string("metrics", None, "Path to metrics.jsonl.")
+flags.DEFINE_string("out", None, "Output PNG (default: next to metrics.jsonl).")
+FLAGS = flags.FLAGS
+
+
+def _user(p: str) -> Path:
+    path = Path(p)
+    return path if path.is_absolute() else Path(os.environ.get("BUILD_WORKING_DIRECTORY", ".")) / path
+
+
+def load(path: Path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
+    if not rows:
+        raise ValueError(f"{path}: no metrics")
+    last = {}
+    for r in rows:  # a resumed run rewrites steps: keep the latest record per step
+        last[r["step"]] = r
+    return [last[s] for s in sorted(last)]
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(steps, [r["loss"] for r in rows], label="train loss")
+    ev = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    if ev:
+        axes[0].plot(*zip(*ev), "o-", label="eval loss")
+    mtp = sorted({k for r in rows for k in r if k.startswith("mtp_loss/")})
+    for k in mtp:
+        axes[0].plot(steps, [r.get(k, float("nan")) for r in rows], "--", label=k)
+    axes[0].set_title("loss")
+    axes[0].legend()
+    axes[1].plot(steps, [r["lr"] for r in rows])
+    axes[1].set_title("learning rate")
+    axes[2].plot(steps, [r["tokens_per_s"] for r in rows])
+    axes[2].set_title("tokens/s")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(argv):
+    if not FLAGS.metrics:
+        print("error: --metrics is required", file=sys.stderr)
+        return 2
+    path = _user(FLAGS.metrics)
+    if not path.is_file():
+        print(f"error: {path}: metrics file not found", file=sys.stderr)
+        return 2
+    try:
+        rows = load(path)
+    except (ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = _user(FLAGS.out) if FLAGS.out else path.with_suffix(".png")
+    plot(rows, out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(lambda argv: sys.exit(main(argv)))
