@@ -69,4 +69,4 @@ def test_consecutive_non_finite_steps_stop_with_last_good_checkpoint(tmp_path):
         loop.run(cfg, tmp_path, lambda c, s, n: Poisoned(real(c, s, n)), max_consecutive_skips=2,
                  tensorboard=False, log=logs.append, devices=jax.devices()[:1])
     assert any("update skipped" in line for line in logs)
-    assert e2e.saved_steps(tmp_path) == [2]  # skipped steps are never checkpointed
+    assert max(e2e.saved_steps(tmp_path)) == 2  # skipped steps are never checkpointed
