@@ -11,6 +11,11 @@ Pre-shuffle sample j is the stream slice [j*S, j*S + S + add) of the concatenate
 sequences in document-index order; `sample_index[j]` is where that slice starts, as
 (document-index position, token offset). Everything is int64 and vectorised; peak memory
 is the output plus one chunk (no E x N blow-up).
+
+Differences from Megatron, only off its default (drop-last) path: keep-partial counts
+samples with an exact integer ceil (Megatron's C++ uses float32, wrong past 2^24 tokens)
+and ends the last sample at the last non-empty sequence; a split with too few tokens raises
+instead of asserting or looping forever.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import numpy as np
 from ling2.data.indexed import IndexedDataset
 
 SPLITS = ("train", "valid", "test")
-_CHUNK = 1 << 22
+_CHUNK = 1 << 18
 
 
 def parse_split(split: str) -> list[float]:
@@ -61,7 +66,8 @@ def split_range(num_sequences: int, split: str, name: str) -> tuple[int, int]:
     bounds = split_matrix(split)[SPLITS.index(name)]
     if bounds is None:
         return 0, 0
-    return int(round(bounds[0] * float(num_sequences))), int(round(bounds[1] * float(num_sequences)))
+    lo, hi = bounds
+    return int(round(lo * float(num_sequences))), int(round(hi * float(num_sequences)))
 
 
 def num_epochs(tokens_per_epoch: int, num_samples: Optional[int], seq_length: int,
@@ -124,13 +130,13 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
         del lens, ends
     if not drop_last and n * seq_length > total - add:
         # Keep-partial: the last (short) sample ends at the stream end. Megatron points at the
-        # last entry even when it is an empty document (and then asserts); we use the last
+        # last entry even when it is an empty sequence (and then asserts); we use the last
         # non-empty one.
-        q = total - add
-        nz = np.flatnonzero(sequence_lengths[document_index] > 0)
-        last = int(nz[-1])
+        last = document_index.shape[0] - 1
+        while sequence_lengths[document_index[last]] == 0:
+            last -= 1
         start = total - int(sequence_lengths[document_index[last]])
-        out[n] = (last, q - start)
+        out[n] = (last, total - add - start)
     return out
 
 
@@ -277,19 +283,58 @@ class GPTDataset:
     def __getitem__(self, i: int) -> np.ndarray:
         return self.sample(int(self.shuffle_index[i]))
 
+    def samples(self, ids, dtype=np.int64) -> np.ndarray:
+        """dataset[i] for every i in `ids` as one [len(ids), seq_length + add] array.
+
+        The piece arithmetic is vectorised over the batch; only the copies loop in Python.
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        want, ds = self.seq_length + self.add, self.dataset
+        js = np.asarray(self.shuffle_index[ids], dtype=np.int64)
+        beg, end = self.sample_index[js], self.sample_index[js + 1]
+        n_pieces = end[:, 0] - beg[:, 0] + 1
+        first = np.cumsum(n_pieces) - n_pieces
+        last = first + n_pieces - 1
+        pos = np.repeat(beg[:, 0] - first, n_pieces) + np.arange(int(n_pieces.sum()))
+        seqs = self.document_index[pos]
+        orig = ds.sequence_pointers[seqs] // ds.dtype.itemsize
+        starts, ends = orig.copy(), orig + ds.sequence_lengths[seqs]
+        starts[first] += beg[:, 1]
+        ends[last] = orig[last] + end[:, 1] + self.add
+        lens = ends - starts
+        csum = np.cumsum(lens) - lens
+        totals = np.add.reduceat(lens, first) if lens.size else lens
+        n = len(self.sample_index) - 1
+        bad = np.flatnonzero((totals > want) | ((totals < want) & (js != n - 1)))
+        if bad.size:
+            raise ValueError(f"{ds.prefix}: sample {js[bad[0]]} has {totals[bad[0]]} tokens, "
+                             f"want {want}: the sample index does not fit this dataset")
+        dest = np.repeat(np.arange(ids.size, dtype=np.int64) * want - csum[first], n_pieces) + csum
+        out = np.empty((ids.size, want), dtype=dtype)
+        for r in np.flatnonzero(totals < want):  # only a keep-partial last sample
+            out[r, totals[r]:] = self.pad_id
+        flat, src = out.reshape(-1), ds._bin
+        for d, s, t in zip(dest.tolist(), starts.tolist(), ends.tolist()):
+            flat[d:d + t - s] = src[s:t]
+        return out
+
     def sample(self, j: int) -> np.ndarray:
         """Pre-shuffle sample j: seq_length + add int64 tokens."""
         (b, bo), (e, eo) = self.sample_index[j], self.sample_index[j + 1]
         b, bo, e, eo = int(b), int(bo), int(e), int(eo)
-        ds, doc = self.dataset, self.document_index
+        ds, want = self.dataset, self.seq_length + self.add
         if b == e:
-            parts = [ds.get(int(doc[b]), bo, eo - bo + self.add)]
+            got = ds.get(int(self.document_index[b]), bo, eo - bo + self.add)
         else:
-            parts = [ds.get(int(doc[b]), bo)]
-            parts += [ds.get(int(doc[k])) for k in range(b + 1, e)]
-            parts.append(ds.get(int(doc[e]), 0, eo + self.add))
-        want = self.seq_length + self.add
+            seqs = self.document_index[b:e + 1]
+            starts = ds.sequence_pointers[seqs] // ds.dtype.itemsize
+            ends = starts + ds.sequence_lengths[seqs]
+            starts[0] += bo
+            ends[-1] = starts[-1] + eo + self.add
+            got = np.concatenate([ds._bin[s:t] for s, t in zip(starts.tolist(), ends.tolist())])
+        if got.size > want or (got.size < want and j != len(self.sample_index) - 2):
+            raise ValueError(f"{ds.prefix}: sample {j} has {got.size} tokens, want {want}: "
+                             "the sample index does not fit this dataset")
         out = np.full(want, self.pad_id, dtype=np.int64)
-        got = np.concatenate(parts) if len(parts) > 1 else parts[0]
         out[: got.size] = got
         return out

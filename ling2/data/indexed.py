@@ -112,9 +112,14 @@ class IndexedDataset:
         size = os.path.getsize(bpath)
         count = size // self.dtype.itemsize
         # An all-empty dataset has an empty .bin, which cannot be mmapped.
-        self._bin = (np.memmap(bpath, dtype=self.dtype, mode="r", shape=(count,))
-                     if count else np.zeros(0, self.dtype))
+        mm = (np.memmap(bpath, dtype=self.dtype, mode="r", shape=(count,))
+              if count else np.zeros(0, self.dtype))
+        self._bin = mm.view(np.ndarray)  # plain views slice faster; they keep the mmap alive
         self._starts = None
+
+    def __reduce__(self):
+        # Worker processes reopen the mmaps instead of pickling the data.
+        return (IndexedDataset, (self.prefix, self.multimodal))
 
     @staticmethod
     def _check_counts(ipath: str, isize: int, n: int, d: int) -> None:
@@ -268,6 +273,21 @@ class IndexedDatasetBuilder:
         self.document_indices.append(len(self.sequence_lengths))
         if self.multimodal:
             self.sequence_modes.extend(modes if modes is not None else [0] * len(lengths))
+
+    def add_documents(self, tokens, lengths) -> None:
+        """Many single-sequence documents at once (tokens concatenated, lengths per document)."""
+        x = self._as_tokens(tokens)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if int(lengths.sum()) != x.size or (lengths < 0).any():
+            raise ValueError(f"{self.bin_file}: document lengths sum to {int(lengths.sum())} "
+                             f"but {x.size} tokens were given")
+        self._out.write(x.tobytes())
+        n0 = len(self.sequence_lengths)
+        self.sequence_lengths.frombytes(lengths.astype(np.int32).tobytes())
+        self.document_indices.frombytes(
+            (n0 + np.arange(1, lengths.size + 1, dtype=np.int64)).tobytes())
+        if self.multimodal:
+            self.sequence_modes.frombytes(np.zeros(lengths.size, np.int8).tobytes())
 
     def add_index(self, prefix: str) -> None:
         """Append a whole dataset (its documents follow the ones already added)."""

@@ -11,6 +11,9 @@ the identity dL/dB_i = q_i.dq_i - k_i.dk_i on the cumulative log-decay B.
 Backends: "chunked" (pure JAX), "pallas_tpu", "pallas_gpu" (Pallas kernels; on CPU they
 run with interpret=True), the oracles "naive" (per-token scan) and "quadratic" (T x T),
 and "auto" (TPU -> pallas_tpu, GPU -> pallas_gpu, else chunked).
+Numerics: the state and every accumulation are fp32. "chunked" computes in fp32 throughout;
+with bf16 inputs the Pallas kernels feed the state and decayed scores to the matrix units as
+bf16 (as fla does), which costs about 2-3% of the largest gradient entry in rounding.
 """
 
 import functools
@@ -69,9 +72,14 @@ def _kernels(backend, interpret):
             functools.partial(mod.backward, interpret=interpret))
 
 
+def _zero_state(q, v):
+    return jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+
+
 def _run_fwd(q, k, v, g, doc, h0, scale, C, backend, interpret):
     T = q.shape[1]
     fwd, _ = _kernels(backend, interpret)
+    h0 = _zero_state(q, v) if h0 is None else h0
     o, hT = fwd(prepare(q, C), prepare(k, C), prepare(v, C), prepare_aux(g, doc, C), h0, scale, C)
     return o.swapaxes(1, 2)[:, :T].astype(q.dtype), hT
 
@@ -92,16 +100,29 @@ def _gla_bwd(scale, C, backend, interpret, res, cts):
     T = q.shape[1]
     _, bwd = _kernels(backend, interpret)
     qp, kp = prepare(q, C), prepare(k, C)
-    dq, dk, dv, dh0 = bwd(qp, kp, prepare(v, C), prepare_aux(g, doc, C), h0, prepare(do, C), dhT, scale, C)
+    h0_or_zero = _zero_state(q, v) if h0 is None else h0
+    dq, dk, dv, dh0 = bwd(qp, kp, prepare(v, C), prepare_aux(g, doc, C), h0_or_zero, prepare(do, C), dhT, scale, C)
     f32 = jnp.float32
     db = jnp.sum(qp.astype(f32) * dq - kp.astype(f32) * dk, axis=-1)  # [B, H, T']
     db = db.at[..., -1].add(jnp.sum(dhT * hT, axis=(-2, -1)))
     dg = jnp.flip(jnp.cumsum(jnp.flip(db, -1), -1), -1).swapaxes(1, 2)[:, :T]
     back = lambda x, like: x.swapaxes(1, 2)[:, :T].astype(like.dtype)
-    return back(dq, q), back(dk, k), back(dv, v), dg.astype(g.dtype), None, dh0.astype(h0.dtype)
+    dh0 = None if h0 is None else dh0.astype(h0.dtype)
+    return back(dq, q), back(dk, k), back(dv, v), dg.astype(g.dtype), None, dh0
 
 
 _gla.defvjp(_gla_fwd, _gla_bwd)
+
+
+def _vary_like(x, like):
+    """Inside shard_map, mark x as varying over every mesh axis `like` varies over (so its
+    cotangent, which does, type-checks; autodiff turns this into a psum). No-op elsewhere."""
+    axes = getattr(jax.typeof(like), "manual_axis_type", None)
+    have = getattr(jax.typeof(x), "manual_axis_type", None)
+    if axes is None or have is None:
+        return x
+    extra = tuple(sorted(axes.varying - have.varying))
+    return jax.lax.pcast(x, extra, to="varying") if extra else x
 
 
 def simple_gla(q, k, v, g, *, segment_ids=None, initial_state=None, scale=None, chunk_size=64,
@@ -138,7 +159,7 @@ def simple_gla(q, k, v, g, *, segment_ids=None, initial_state=None, scale=None, 
     else:
         doc = doc_index(segment_ids)
     if initial_state is None:
-        h0 = jnp.zeros((B, H, K, Vd), jnp.float32)
+        h0 = None
     elif initial_state.shape != (B, H, K, Vd):
         raise ValueError(f"simple_gla: initial_state must be [B,H,K,V]={B, H, K, Vd}, got {initial_state.shape}")
     else:
@@ -147,11 +168,13 @@ def simple_gla(q, k, v, g, *, segment_ids=None, initial_state=None, scale=None, 
     backend = resolve_backend(backend)
     if backend in ("naive", "quadratic"):
         oracle = gla_reference.naive_recurrence if backend == "naive" else gla_reference.quadratic
-        o, hT = oracle(q, k, v, g, doc, h0, scale)
+        o, hT = oracle(q, k, v, g, doc, _zero_state(q, v) if h0 is None else h0, scale)
         o = o.astype(q.dtype)
     else:
         if interpret is None:
             interpret = jax.default_backend() == "cpu"
+        g = _vary_like(g, q)
+        h0 = None if h0 is None else _vary_like(h0, q)
         o, hT = _gla(q, k, v, g, doc, h0, scale, chunk_size, backend, bool(interpret))
     return (o, hT) if return_final_state else o
 

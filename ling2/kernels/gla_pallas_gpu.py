@@ -1,8 +1,10 @@
 """Pallas GPU (Triton) kernels for chunked simple GLA.
 
-GPU programs run in parallel, so nothing is carried across grid steps: the grid is (B, H)
-and each program loops over the N chunks of its sequence with a fori_loop carrying the
-fp32 state (K x V) in registers.
+GPU programs run in parallel, so nothing is carried across grid steps: the grid is
+(B, H, V / BLOCK_V) and each program loops over the N chunks of its sequence with a
+fori_loop carrying its fp32 slice of the state (K x BLOCK_V) in registers. Output columns
+only need their own state columns; dq and dk sum over all of V, so each V block writes a
+partial that is summed outside.
   forward: o and the final state (forward sweep).
   dq:      forward sweep recomputing the states.
   dk, dv:  reverse sweep carrying G = dL/d(state), which ends as d(initial state).
@@ -19,16 +21,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 _HI = jax.lax.Precision.HIGHEST
+BLOCK_V = 64  # state columns per program
 
 
-def _dot(a, b, ta=False, tb=False):
+def _dot(a, b, dt, ta=False, tb=False):
+    """a @ b (optionally transposed) on operands cast to dt, fp32 accumulation; exact fp32 when dt is fp32.
+    With bf16 inputs the fp32 state enters its matmuls as bf16 (as fla does); it accumulates in fp32."""
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-    prec = _HI if jnp.float32 in (a.dtype, b.dtype) else None
-    return jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
-
-
-def _f32(x):
-    return x.astype(jnp.float32)
+    prec = _HI if dt == jnp.float32 else None
+    return jax.lax.dot_general(a.astype(dt), b.astype(dt), dims, precision=prec, preferred_element_type=jnp.float32)
 
 
 def _load(refs, n, C, scale):
@@ -46,38 +47,42 @@ def _load(refs, n, C, scale):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, b_ref, doc_ref, alpha_ref, w_ref, h0_ref, o_ref, hT_ref, *, scale, C):
+    dt = q_ref.dtype
+
     def body(n, S):
         s, (q, k, v), D, alpha, w, lam = _load((q_ref, k_ref, v_ref, b_ref, doc_ref, alpha_ref, w_ref), n, C, scale)
-        o = _dot(_dot(q, k, tb=True) * D, _f32(v)) + (scale * alpha) * _dot(_f32(q), S)
+        o = _dot(_dot(q, k, dt, tb=True) * D, v, dt) + (scale * alpha) * _dot(q, S, dt)
         o_ref[s, :] = o.astype(o_ref.dtype)
-        return lam * S + _dot(_f32(k) * w, _f32(v), ta=True)
+        return lam * S + _dot(k * w, v, dt, ta=True)
 
     hT_ref[...] = jax.lax.fori_loop(0, q_ref.shape[0] // C, body, h0_ref[...])
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref, h0_ref, dq_ref, *, scale, C):
+    dt = q_ref.dtype
+
     def body(n, S):
         s, (k, v, do), D, alpha, w, lam = _load((k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref), n, C,
                                                 scale)
-        dA = _dot(do, v, tb=True) * D
-        dq_ref[s, :] = _dot(dA, _f32(k)) + (scale * alpha) * _dot(_f32(do), S, tb=True)
-        return lam * S + _dot(_f32(k) * w, _f32(v), ta=True)
+        dA = _dot(do, v, dt, tb=True) * D
+        dq_ref[s, :] = _dot(dA, k, dt) + (scale * alpha) * _dot(do, S, dt, tb=True)
+        return lam * S + _dot(k * w, v, dt, ta=True)
 
     jax.lax.fori_loop(0, q_ref.shape[0] // C, body, h0_ref[...])
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref, dhT_ref, dk_ref, dv_ref, dh0_ref,
                  *, scale, C):
-    N = q_ref.shape[0] // C
+    N, dt = q_ref.shape[0] // C, q_ref.dtype
 
     def body(r, G):
         refs = (q_ref, k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref)
         s, (q, k, v, do), D, alpha, w, lam = _load(refs, N - 1 - r, C, scale)
-        A = _dot(q, k, tb=True) * D
-        dA = _dot(do, v, tb=True) * D
-        dk_ref[s, :] = _dot(dA, _f32(q), ta=True) + w * _dot(_f32(v), G, tb=True)
-        dv_ref[s, :] = _dot(A, _f32(do), ta=True) + w * _dot(_f32(k), G)
-        return lam * G + _dot(_f32(q) * (scale * alpha), _f32(do), ta=True)
+        A = _dot(q, k, dt, tb=True) * D
+        dA = _dot(do, v, dt, tb=True) * D
+        dk_ref[s, :] = _dot(dA, q, dt, ta=True) + w * _dot(v, G, dt, tb=True)
+        dv_ref[s, :] = _dot(A, do, dt, ta=True) + w * _dot(k, G, dt)
+        return lam * G + _dot(q * (scale * alpha), do, dt, ta=True)
 
     dh0_ref[...] = jax.lax.fori_loop(0, N, body, dhT_ref[...])
 
@@ -94,15 +99,22 @@ def _pad_state(x, K, V):
     return jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 0), (0, K - x.shape[2]), (0, V - x.shape[3])))
 
 
-def _call(kernel, args, outs, interpret, num_warps=4):
+def _call(kernel, args, outs, kinds, BV, interpret, num_warps=4):
+    """Grid (B, H, V / BV). kinds[i] for each arg then output: "full" (whole [T, ...] per head),
+    "v" (last dim split into V blocks of BV) or "part" (per-V-block partial sums, leading axis)."""
     B, H = args[0].shape[:2]
+    NV = args[2].shape[-1] // BV
 
-    def spec(x):
-        return pl.BlockSpec((None, None) + x.shape[2:], lambda b, h: (b, h) + (0,) * (x.ndim - 2))
+    def spec(x, kind):
+        if kind == "part":
+            return pl.BlockSpec((None, None, None) + x.shape[3:], lambda b, h, j: (j, b, h) + (0,) * (x.ndim - 3))
+        if kind == "v":
+            return pl.BlockSpec((None, None) + x.shape[2:-1] + (BV,), lambda b, h, j: (b, h) + (0,) * (x.ndim - 3) + (j,))
+        return pl.BlockSpec((None, None) + x.shape[2:], lambda b, h, j: (b, h) + (0,) * (x.ndim - 2))
 
     return pl.pallas_call(
-        kernel, grid=(B, H), in_specs=[spec(a) for a in args], out_specs=[spec(o) for o in outs],
-        out_shape=outs, interpret=interpret,
+        kernel, grid=(B, H, NV), in_specs=[spec(a, kd) for a, kd in zip(args, kinds)],
+        out_specs=[spec(o, kd) for o, kd in zip(outs, kinds[len(args):])], out_shape=outs, interpret=interpret,
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
     )(*args)
 
@@ -112,30 +124,38 @@ def _check(C):
         raise ValueError(f"pallas_gpu: chunk_size={C} must be a power of two >= 16 (Triton block shapes)")
 
 
-def forward(q, k, v, aux, h0, scale, C, *, interpret=False):
+def forward(q, k, v, aux, h0, scale, C, *, interpret=False, block_v=None):
     _check(C)
     B, H, T, K0 = q.shape
     V0 = v.shape[-1]
     K, V = _pow2(K0), _pow2(V0)
+    BV = min(V, block_v or BLOCK_V)
     aux4 = (aux["b"], aux["doc"].astype(jnp.float32), aux["alpha"], aux["w"])
     args = (_pad_last(q, K), _pad_last(k, K), _pad_last(v, V)) + aux4 + (_pad_state(h0, K, V),)
     outs = [jax.ShapeDtypeStruct((B, H, T, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)]
-    o, hT = _call(functools.partial(_fwd_kernel, scale=scale, C=C), args, outs, interpret)
+    kinds = ("full", "full", "v") + ("full",) * 4 + ("v", "v", "v")
+    o, hT = _call(functools.partial(_fwd_kernel, scale=scale, C=C), args, outs, kinds, BV, interpret)
     return o[..., :V0], hT[:, :, :K0, :V0]
 
 
-def backward(q, k, v, aux, h0, do, dhT, scale, C, *, interpret=False):
+def backward(q, k, v, aux, h0, do, dhT, scale, C, *, interpret=False, block_v=None):
+    """dq and dk are sums over V blocks of per-block partials (each block sees its slice of S, G)."""
     _check(C)
     B, H, T, K0 = q.shape
     V0 = v.shape[-1]
     K, V = _pow2(K0), _pow2(V0)
+    BV = min(V, block_v or BLOCK_V)
+    NV = V // BV
     f32 = jnp.float32
     aux4 = (aux["b"], aux["doc"].astype(f32), aux["alpha"], aux["w"])
     qkvdo = (_pad_last(q, K), _pad_last(k, K), _pad_last(v, V), _pad_last(do, V))
+    kinds_in = ("full", "full", "v", "v") + ("full",) * 4 + ("v",)
+    part = jax.ShapeDtypeStruct((NV, B, H, T, K), f32)
     (dq,) = _call(functools.partial(_dq_kernel, scale=scale, C=C), qkvdo + aux4 + (_pad_state(h0, K, V),),
-                  [jax.ShapeDtypeStruct((B, H, T, K), f32)], interpret)
+                  [part], kinds_in + ("part",), BV, interpret)
     dk, dv, dh0 = _call(
         functools.partial(_dkdv_kernel, scale=scale, C=C), qkvdo + aux4 + (_pad_state(dhT, K, V),),
-        [jax.ShapeDtypeStruct((B, H, T, K), f32), jax.ShapeDtypeStruct((B, H, T, V), f32),
-         jax.ShapeDtypeStruct((B, H, K, V), f32)], interpret)
+        [part, jax.ShapeDtypeStruct((B, H, T, V), f32), jax.ShapeDtypeStruct((B, H, K, V), f32)],
+        kinds_in + ("part", "v", "v"), BV, interpret)
+    dq, dk = dq.sum(0), dk.sum(0)
     return dq[..., :K0], dk[..., :K0], dv[..., :V0], dh0[:, :, :K0, :V0]

@@ -5,8 +5,8 @@ the fp32 state (K x V) lives in a VMEM scratch and is carried from chunk to chun
   forward: o and the final state, sweeping chunks forward.
   dq:      forward sweep again (recomputing the states), nothing stored from the forward.
   dk, dv:  reverse sweep (index maps read chunk N-1-n), carrying G = dL/d(state).
-Per-token factors come in two layouts so no in-kernel transpose is needed:
-  col [B, H, T, 4] (b, doc, alpha, w as columns) and row [B, H, N, 4, C].
+Per-token factors come as separate arrays so the kernel needs no lane slicing or transpose:
+columns [B, H, T, 1] (b, doc, alpha, w) and rows [B, H, N, 1, C] (b, doc).
 Math as in gla_chunked; D_ij = e^{b_i - b_j} masked (before exp) to j <= i, same document.
 """
 
@@ -20,29 +20,28 @@ from jax.experimental.pallas import tpu as pltpu
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _dot(a, b, ta=False, tb=False):
-    """a @ b with optional transposes, fp32 accumulation."""
+def _dot(a, b, dt, ta=False, tb=False):
+    """a @ b (optionally transposed) on operands cast to dt, fp32 accumulation; exact fp32 when dt is fp32.
+    With bf16 inputs the fp32 state enters its matmuls as bf16 (as fla does); it accumulates in fp32."""
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-    prec = _HI if jnp.float32 in (a.dtype, b.dtype) else None
-    return jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+    prec = _HI if dt == jnp.float32 else None
+    return jax.lax.dot_general(a.astype(dt), b.astype(dt), dims, precision=prec, preferred_element_type=jnp.float32)
 
 
-def _factors(col_ref, row_ref, scale):
+def _factors(fac_refs, scale):
     """Per-chunk factors: scaled masked decay D [C, C], alpha and w columns [C, 1], lam [1, 1]."""
-    col, row = col_ref[...], row_ref[...]
-    C = col.shape[0]
+    b_col, doc_col, alpha, w, b_row, doc_row = (r[...] for r in fac_refs)
+    C = b_col.shape[0]
     i = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    mask = (i >= j) & (col[:, 1:2] == row[1:2, :])
-    D = jnp.exp(jnp.where(mask, col[:, 0:1] - row[0:1, :], -jnp.inf)) * scale
-    return D, col[:, 2:3], col[:, 3:4], col[C - 1:C, 2:3]
+    mask = (i >= j) & (doc_col == doc_row)
+    D = jnp.exp(jnp.where(mask, b_col - b_row, -jnp.inf)) * scale
+    last = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0) == C - 1
+    lam = jnp.sum(jnp.where(last, alpha, 0.0), axis=0, keepdims=True)  # alpha of the last token
+    return D, alpha, w, lam
 
 
-def _f32(x):
-    return x.astype(jnp.float32)
-
-
-def _fwd_kernel(q_ref, k_ref, v_ref, col_ref, row_ref, h0_ref, o_ref, hT_ref, S_ref, *, scale):
+def _fwd_kernel(q_ref, k_ref, v_ref, bc, dc, ac, wc, br, dr, h0_ref, o_ref, hT_ref, S_ref, *, scale):
     n = pl.program_id(2)
 
     @pl.when(n == 0)
@@ -50,12 +49,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, col_ref, row_ref, h0_ref, o_ref, hT_ref, S_
         S_ref[...] = h0_ref[...]
 
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
-    D, alpha, w, lam = _factors(col_ref, row_ref, scale)
+    D, alpha, w, lam = _factors((bc, dc, ac, wc, br, dr), scale)
+    dt = q_ref.dtype
     S = S_ref[...]
-    A = _dot(q, k, tb=True) * D
-    o = _dot(A, _f32(v)) + (scale * alpha) * _dot(_f32(q), S)
+    A = _dot(q, k, dt, tb=True) * D
+    o = _dot(A, v, dt) + (scale * alpha) * _dot(q, S, dt)
     o_ref[...] = o.astype(o_ref.dtype)
-    S = lam * S + _dot(_f32(k) * w, _f32(v), ta=True)
+    S = lam * S + _dot(k * w, v, dt, ta=True)
     S_ref[...] = S
 
     @pl.when(n == pl.num_programs(2) - 1)
@@ -63,20 +63,21 @@ def _fwd_kernel(q_ref, k_ref, v_ref, col_ref, row_ref, h0_ref, o_ref, hT_ref, S_
         hT_ref[...] = S
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, col_ref, row_ref, h0_ref, dq_ref, S_ref, *, scale):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, bc, dc, ac, wc, br, dr, h0_ref, dq_ref, S_ref, *, scale):
     @pl.when(pl.program_id(2) == 0)
     def _():
         S_ref[...] = h0_ref[...]
 
     k, v, do = k_ref[...], v_ref[...], do_ref[...]
-    D, alpha, w, lam = _factors(col_ref, row_ref, scale)
+    D, alpha, w, lam = _factors((bc, dc, ac, wc, br, dr), scale)
+    dt = q_ref.dtype
     S = S_ref[...]
-    dA = _dot(do, v, tb=True) * D
-    dq_ref[...] = _dot(dA, _f32(k)) + (scale * alpha) * _dot(_f32(do), S, tb=True)
-    S_ref[...] = lam * S + _dot(_f32(k) * w, _f32(v), ta=True)
+    dA = _dot(do, v, dt, tb=True) * D
+    dq_ref[...] = _dot(dA, k, dt) + (scale * alpha) * _dot(do, S, dt, tb=True)
+    S_ref[...] = lam * S + _dot(k * w, v, dt, ta=True)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, col_ref, row_ref, dhT_ref, dk_ref, dv_ref, dh0_ref, G_ref,
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, bc, dc, ac, wc, br, dr, dhT_ref, dk_ref, dv_ref, dh0_ref, G_ref,
                  *, scale):
     n = pl.program_id(2)
 
@@ -85,13 +86,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, col_ref, row_ref, dhT_ref, dk_ref,
         G_ref[...] = dhT_ref[...]
 
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    D, alpha, w, lam = _factors(col_ref, row_ref, scale)
+    D, alpha, w, lam = _factors((bc, dc, ac, wc, br, dr), scale)
+    dt = q_ref.dtype
     G = G_ref[...]
-    A = _dot(q, k, tb=True) * D
-    dA = _dot(do, v, tb=True) * D
-    dk_ref[...] = _dot(dA, _f32(q), ta=True) + w * _dot(_f32(v), G, tb=True)
-    dv_ref[...] = _dot(A, _f32(do), ta=True) + w * _dot(_f32(k), G)
-    G = lam * G + _dot(_f32(q) * (scale * alpha), _f32(do), ta=True)
+    A = _dot(q, k, dt, tb=True) * D
+    dA = _dot(do, v, dt, tb=True) * D
+    dk_ref[...] = _dot(dA, q, dt, ta=True) + w * _dot(v, G, dt, tb=True)
+    dv_ref[...] = _dot(A, do, dt, ta=True) + w * _dot(k, G, dt)
+    G = lam * G + _dot(q * (scale * alpha), do, dt, ta=True)
     G_ref[...] = G
 
     @pl.when(n == pl.num_programs(2) - 1)
@@ -100,10 +102,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, col_ref, row_ref, dhT_ref, dk_ref,
 
 
 def _layouts(aux, C):
+    """(b, doc, alpha, w) as columns [B, H, T, 1], then (b, doc) as rows [B, H, N, 1, C], all fp32."""
     B, H, T = aux["b"].shape
-    cols = jnp.stack([aux["b"], aux["doc"].astype(jnp.float32), aux["alpha"], aux["w"]], axis=-1)
-    rows = cols.reshape(B, H, T // C, C, 4).swapaxes(-1, -2)
-    return cols, rows
+    f = {name: aux[name].astype(jnp.float32) for name in ("b", "doc", "alpha", "w")}
+    cols = tuple(f[name][..., None] for name in ("b", "doc", "alpha", "w"))
+    rows = tuple(f[name].reshape(B, H, T // C, 1, C) for name in ("b", "doc"))
+    return cols + rows
 
 
 def _specs(C, K, V, N, reverse=False):
@@ -113,9 +117,9 @@ def _specs(C, K, V, N, reverse=False):
     def tok(d):
         return pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, fix(n), 0))
 
-    row = pl.BlockSpec((None, None, None, 4, C), lambda b, h, n: (b, h, fix(n), 0, 0))
+    row = pl.BlockSpec((None, None, None, 1, C), lambda b, h, n: (b, h, fix(n), 0, 0))
     state = pl.BlockSpec((None, None, K, V), lambda b, h, n: (b, h, 0, 0))
-    return tok, row, state
+    return tok, [tok(1)] * 4 + [row] * 2, state
 
 
 def _call(kernel, args, in_specs, out_specs, out_shape, grid, K, V, interpret):
@@ -134,12 +138,12 @@ def _call(kernel, args, in_specs, out_specs, out_shape, grid, K, V, interpret):
 def forward(q, k, v, aux, h0, scale, C, *, interpret=False):
     B, H, T, K = q.shape
     V = v.shape[-1]
-    tok, row, state = _specs(C, K, V, T // C)
-    cols, rows = _layouts(aux, C)
+    tok, fac, state = _specs(C, K, V, T // C)
+    fac_args = _layouts(aux, C)
     return _call(
         functools.partial(_fwd_kernel, scale=scale),
-        (q, k, v, cols, rows, h0.astype(jnp.float32)),
-        [tok(K), tok(K), tok(V), tok(4), row, state],
+        (q, k, v, *fac_args, h0.astype(jnp.float32)),
+        [tok(K), tok(K), tok(V), *fac, state],
         [tok(V), state],
         [jax.ShapeDtypeStruct((B, H, T, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)],
         (B, H, T // C), K, V, interpret)
@@ -148,20 +152,20 @@ def forward(q, k, v, aux, h0, scale, C, *, interpret=False):
 def backward(q, k, v, aux, h0, do, dhT, scale, C, *, interpret=False):
     B, H, T, K = q.shape
     V = v.shape[-1]
-    cols, rows = _layouts(aux, C)
+    fac_args = _layouts(aux, C)
     f32 = jnp.float32
-    tok, row, state = _specs(C, K, V, T // C)
+    tok, fac, state = _specs(C, K, V, T // C)
     dq = _call(
         functools.partial(_dq_kernel, scale=scale),
-        (q, k, v, do, cols, rows, h0.astype(f32)),
-        [tok(K), tok(K), tok(V), tok(V), tok(4), row, state],
+        (q, k, v, do, *fac_args, h0.astype(f32)),
+        [tok(K), tok(K), tok(V), tok(V), *fac, state],
         tok(K), jax.ShapeDtypeStruct((B, H, T, K), f32),
         (B, H, T // C), K, V, interpret)
-    tok, row, state = _specs(C, K, V, T // C, reverse=True)
+    tok, fac, state = _specs(C, K, V, T // C, reverse=True)
     dk, dv, dh0 = _call(
         functools.partial(_dkdv_kernel, scale=scale),
-        (q, k, v, do, cols, rows, dhT.astype(f32)),
-        [tok(K), tok(K), tok(V), tok(V), tok(4), row, state],
+        (q, k, v, do, *fac_args, dhT.astype(f32)),
+        [tok(K), tok(K), tok(V), tok(V), *fac, state],
         [tok(K), tok(V), state],
         [jax.ShapeDtypeStruct((B, H, T, K), f32), jax.ShapeDtypeStruct((B, H, T, V), f32),
          jax.ShapeDtypeStruct((B, H, K, V), f32)],

@@ -25,7 +25,37 @@ def load_naive():
 
 def recurrent(q, k, v, g_BTH, h0=None, scale=None):
     """fla naive_recurrent_simple_gla on numpy arrays [B,T,H,D] -> (o [B,T,H,V], hT) as float64 numpy."""
-    t = lambda x: None if x is None else torch.from_numpy(np.asarray(x, np.float32))
+    t = lambda x: None if x is None else torch.from_numpy(np.array(x, np.float32))
     o, hT = load_naive().naive_recurrent_simple_gla(t(q), t(k), t(v), t(g_BTH), scale=scale, initial_state=t(h0),
                                                     output_final_state=True)
     return o.double().numpy(), hT.double().numpy()
+
+
+def chunk_simple_gla_cuda_seconds(q, k, v, g_BTH, repeats=3):
+    """Median seconds of fla's Triton chunk_simple_gla forward+backward on CUDA (bf16), for benchmarks.
+
+    Raises ImportError when fla's Triton ops or a CUDA torch are unavailable.
+    """
+    import time
+
+    from fla.ops.simple_gla import chunk_simple_gla  # imports triton
+
+    if not torch.cuda.is_available():
+        raise ImportError("torch has no CUDA device")
+    t = lambda x, grad: torch.tensor(np.array(x, np.float32), device="cuda",
+                                     dtype=torch.bfloat16 if grad else torch.float32, requires_grad=grad)
+    tq, tk, tv, tg = t(q, True), t(k, True), t(v, True), t(g_BTH, False)
+
+    def step():
+        o, _ = chunk_simple_gla(tq, tk, tv, g=tg)
+        o.float().sum().backward()
+
+    step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))

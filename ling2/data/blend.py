@@ -1,0 +1,253 @@
+"""Blending GPT datasets as Megatron-LM's BlendedDataset / BlendedMegatronDatasetBuilder.
+
+Matches Megatron-LM commit d98e8a64 (2026-08-22):
+  * weights w (normalised) and a size N per split: component i is built for
+    ceil(ceil(N*w_i) * (1 + 0.005)) samples; the blend has sum_i ceil(N*w_i) samples (can
+    exceed N); the greedy runs on the weights normalised a second time, as Megatron does.
+  * no weights, size N: weights are the component lengths, size min(N, sum of lengths).
+  * no weights, no size: exhaustive blending of every component sample.
+  * a single prefix without a weight is a plain GPTDataset.
+Greedy: for sample s, x = max(s, 1); pick k maximising w_k*x - count_k (strict >, ties to the
+lowest k); dataset_index[s] = k (int16), dataset_sample_index[s] = count_k (int64).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ling2.data.gpt_index import SPLITS, GPTDataset, split_matrix
+from ling2.data.indexed import IndexedDataset
+
+SURPLUS = 0.005
+
+
+def parse_data_path(data_path: str) -> tuple[list[str], Optional[list[float]]]:
+    """"0.3 /a 0.7 /b" -> (["/a", "/b"], [0.3, 0.7]); "/a /b" -> (["/a", "/b"], None)."""
+    toks = data_path.split() if isinstance(data_path, str) else [str(t) for t in data_path]
+    if not toks:
+        raise ValueError("data_path is empty")
+
+    def num(t):
+        try:
+            return float(t)
+        except ValueError:
+            return None
+
+    nums = [num(t) for t in toks]
+    if all(v is None for v in nums):
+        return toks, None
+    if len(toks) % 2 or any(v is None for v in nums[0::2]) or any(
+            v is not None for v in nums[1::2]):
+        raise ValueError(f"data_path {data_path!r}: expected 'weight prefix' pairs or only "
+                         f"prefixes; got {len(toks)} items with weights and paths mismatched")
+    weights, prefixes = [float(v) for v in nums[0::2]], toks[1::2]
+    for i, w in enumerate(weights):
+        if not (w > 0 and math.isfinite(w)):
+            raise ValueError(f"data_path {data_path!r}: weight {i} ({toks[2 * i]!r}) for "
+                             f"{prefixes[i]} must be > 0")
+    return prefixes, weights
+
+
+def normalize(weights: Sequence[float]) -> list[float]:
+    w = np.array(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
+def component_sizes(weights: Sequence[float], size: int,
+                    surplus: float = SURPLUS) -> tuple[list[int], list[int]]:
+    """(target, built) samples per component for normalised weights and a blend size."""
+    target = [int(math.ceil(size * w)) for w in weights]
+    built = [int(math.ceil(math.ceil(size * w) * (1 + surplus))) for w in weights]
+    return target, built
+
+
+def build_blending_indices(weights: Sequence[float], size: int):
+    """Megatron's greedy blend: (dataset_index int16, dataset_sample_index int64)."""
+    w = [float(x) for x in weights]
+    k = len(w)
+    counts = [0] * k
+    dataset_index = np.zeros(size, dtype=np.int16)
+    sample_index = np.zeros(size, dtype=np.int64)
+    di, si = memoryview(dataset_index), memoryview(sample_index)
+    for s in range(size):
+        x = max(float(s), 1.0)
+        best, err = 0, w[0] * x - counts[0]
+        for j in range(1, k):
+            e = w[j] * x - counts[j]
+            if e > err:
+                best, err = j, e
+        di[s] = best
+        si[s] = counts[best]
+        counts[best] += 1
+    return dataset_index, sample_index
+
+
+def build_exhaustive_blending_indices(sizes: Sequence[int]):
+    """Every sample of every component, interleaved in proportion to the sizes."""
+    sizes = [int(s) for s in sizes]
+    total = sum(sizes)
+    w = [s / float(total) for s in sizes]
+    counts = [0] * len(sizes)
+    live = [j for j in range(len(sizes)) if sizes[j] > 0]
+    dataset_index = np.zeros(total, dtype=np.int16)
+    sample_index = np.zeros(total, dtype=np.int64)
+    for s in range(total):
+        x = max(float(s), 1.0)
+        best, err = -1, -math.inf
+        for j in live:
+            e = w[j] * x - counts[j]
+            if e > err:
+                best, err = j, e
+        dataset_index[s] = best
+        sample_index[s] = counts[best]
+        counts[best] += 1
+        if counts[best] == sizes[best]:
+            live.remove(best)
+    return dataset_index, sample_index
+
+
+def _find_megatron_blend(index_dir, prefixes, split, size) -> Optional[str]:
+    if not index_dir or not os.path.isdir(index_dir):
+        return None
+    suffix = f"-BlendedDataset-{split}-description.txt"
+    names = [os.path.basename(p) for p in prefixes]
+    for fn in sorted(os.listdir(index_dir)):
+        if not fn.endswith(suffix):
+            continue
+        try:
+            with open(os.path.join(index_dir, fn)) as f:
+                desc = json.load(f)
+            paths = [os.path.basename(str(d["dataset_path"])) for d in desc["datasets"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if paths == names and desc.get("size") == size:
+            return os.path.join(index_dir, fn[: -len("-description.txt")])
+    return None
+
+
+class BlendedDataset:
+    """Samples drawn from several GPTDatasets by the greedy blend; `ds[i]` -> int64 tokens."""
+
+    def __init__(self, datasets: Sequence[GPTDataset], weights: Sequence[float],
+                 size: Optional[int], split: str = "train", cache_dir: Optional[str] = None,
+                 index_dir: Optional[str] = None):
+        if len(datasets) != len(weights):
+            raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
+        if any(not w > 0 for w in weights):
+            raise ValueError(f"blend weights must be > 0, got {list(weights)}")
+        if len(datasets) >= 32767:
+            raise ValueError("at most 32766 datasets can be blended (int16 dataset index)")
+        if size is not None:
+            weights = normalize(weights)
+        self.datasets, self.weights, self.size, self.split = list(datasets), weights, size, split
+        self.description = json.dumps({
+            "class": "BlendedDataset", "datasets": [json.loads(d.description) for d in datasets],
+            "split": split, "weights": list(weights), "size": size}, indent=4)
+        self.hash = hashlib.md5(self.description.encode()).hexdigest()
+        names = ("dataset_index", "dataset_sample_index")
+        base = _find_megatron_blend(index_dir, [d.dataset.prefix for d in datasets], split, size)
+        self.source = "megatron"
+        if base is None and cache_dir:
+            base = os.path.join(cache_dir, f"{self.hash}-BlendedDataset-{split}")
+            self.source = "cache"
+        if base is not None and all(os.path.isfile(f"{base}-{k}.npy") for k in names):
+            self.dataset_index, self.dataset_sample_index = (
+                np.load(f"{base}-{k}.npy", mmap_mode="r") for k in names)
+        else:
+            self.source = "built"
+            if size is not None:
+                di, dsi = build_blending_indices(weights, size)
+            else:
+                if any(w != int(w) for w in weights):
+                    raise ValueError("blending without a size needs integer weights (sizes)")
+                di, dsi = build_exhaustive_blending_indices(weights)
+            self.dataset_index, self.dataset_sample_index = di, dsi
+            if cache_dir:
+                os.makedirs(cache_dir, exist_ok=True)
+                base = os.path.join(cache_dir, f"{self.hash}-BlendedDataset-{split}")
+                for k, arr in zip(names, (di, dsi)):
+                    tmp = f"{base}-{k}.tmp{os.getpid()}.npy"
+                    np.save(tmp, arr, allow_pickle=False)
+                    os.replace(tmp, f"{base}-{k}.npy")
+                with open(f"{base}-description.txt", "w") as f:
+                    f.write(self.description)
+        counts = np.bincount(np.asarray(self.dataset_index, dtype=np.int64),
+                             minlength=len(datasets))
+        for k, (c, d) in enumerate(zip(counts, datasets)):
+            if c > len(d):
+                raise ValueError(f"the {split} blend draws {c} samples from dataset {k} "
+                                 f"({d.dataset.prefix}) which has only {len(d)}")
+
+    def __len__(self) -> int:
+        return int(self.dataset_index.shape[0])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
+
+    def samples(self, ids, dtype=np.int64) -> np.ndarray:
+        """[len(ids), S + add]: each component's samples read in one batched call."""
+        ids = np.asarray(ids, dtype=np.int64)
+        which = np.asarray(self.dataset_index[ids], dtype=np.int64)
+        local = np.asarray(self.dataset_sample_index[ids], dtype=np.int64)
+        d0 = self.datasets[0]
+        out = np.empty((ids.size, d0.seq_length + d0.add), dtype=dtype)
+        for k in np.unique(which).tolist():
+            rows = which == k
+            out[rows] = self.datasets[k].samples(local[rows], dtype)
+        return out
+
+
+def build_splits(data_path: str, data_split: str, seq_length: int,
+                 num_samples: Sequence[Optional[int]], seed: int = 1234,
+                 add_extra_token: bool = True, drop_last_valid: bool = True,
+                 cache_dir: Optional[str] = None, index_dir: Optional[str] = None,
+                 pad_id: int = -1, splits: Sequence[str] = SPLITS) -> list:
+    """[train, valid, test] datasets (GPTDataset, BlendedDataset or None) as Megatron's builder.
+
+    num_samples: requested samples per split (None: one pass / exhaustive). Only `splits` are
+    built; a split asking for 0 samples is None (Megatron would still build it).
+    """
+    prefixes, weights = parse_data_path(data_path)
+    bounds = split_matrix(data_split)
+    low = {}
+
+    def low_level(p):
+        if p not in low:
+            low[p] = IndexedDataset(p)
+        return low[p]
+
+    def gpt(p, split, n):
+        return GPTDataset(low_level(p), split, data_split, seq_length, n, seed, add_extra_token,
+                          drop_last=drop_last_valid if split == "valid" else True,
+                          cache_dir=cache_dir, index_dir=index_dir, pad_id=pad_id)
+
+    out = []
+    if weights is not None:
+        weights = normalize(weights)
+    for i, split in enumerate(SPLITS):
+        if bounds[i] is None or split not in splits or num_samples[i] == 0:
+            out.append(None)
+            continue
+        n = num_samples[i]
+        if len(prefixes) == 1 and weights is None:
+            out.append(gpt(prefixes[0], split, n))
+            continue
+        if weights is not None:
+            if n is None:
+                raise ValueError(f"data_path with weights needs a sample count for the "
+                                 f"{split} split")
+            target, built = component_sizes(weights, n)
+            parts = [gpt(p, split, b) for p, b in zip(prefixes, built)]
+            out.append(BlendedDataset(parts, weights, sum(target), split, cache_dir, index_dir))
+        else:
+            parts = [gpt(p, split, None) for p in prefixes]
+            lens = [len(d) for d in parts]
+            size = None if n is None else min(n, sum(lens))
+            out.append(BlendedDataset(parts, lens, size, split, cache_dir, index_dir))
+    return out

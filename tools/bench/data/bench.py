@@ -1,0 +1,176 @@
+"""Data pipeline benchmark: prints a table and writes JSON (ratios against targets).
+
+1. Random-access GPT sample reads (seq 4096 + 1 int32 tokens, `GPTDataset.samples` in
+   batches of 64, and one by one) over a synthetic `.bin` of random-length documents,
+   against a raw sequential read of the same file in the same run (target >= 0.70); both
+   from the page cache.
+2. GPT index build (document/sample/shuffle) for T tokens in D documents: time and peak
+   traced memory against the size of the output indices (target <= 2x).
+3. Pipeline batches/s for ling2-tiny shapes on the bundled sample data, against the rate a
+   trainer consumes them (--trainer-steps-per-s; target >= 10x).
+
+Defaults run in a couple of minutes; the issue's sizes are
+  --bin-mb 2048 --index-tokens 1000000000 --index-docs 10000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+import tracemalloc
+
+import numpy as np
+
+from ling2.data import gpt_index, indexed, pipeline
+
+
+def make_bin(prefix: str, n_tokens: int, mean_doc: int, seed: int = 0) -> None:
+    """int32 tokens in documents of random length (mean `mean_doc`), written in chunks."""
+    rng = np.random.default_rng(seed)
+    b = indexed.IndexedDatasetBuilder(indexed.bin_path(prefix), dtype=np.int32)
+    left, chunk = n_tokens, 1 << 24
+    while left > 0:
+        n = min(chunk, left)
+        lens = rng.integers(1, 2 * mean_doc, size=2 * n // mean_doc + 2)
+        cut = np.searchsorted(np.cumsum(lens), n)
+        lens = lens[: cut + 1]
+        lens[-1] -= lens.sum() - n
+        b.add_documents(rng.integers(0, 150000, size=n, dtype=np.int32), lens[lens > 0])
+        left -= n
+    b.finalize(indexed.idx_path(prefix))
+
+
+def bench_reads(workdir: str, mb: int, mean_doc: int, reads: int, seq: int,
+                batch: int = 64) -> dict:
+    prefix = os.path.join(workdir, "synthetic")
+    make_bin(prefix, mb * (1 << 20) // 4, mean_doc)
+    path, size = indexed.bin_path(prefix), os.path.getsize(indexed.bin_path(prefix))
+    buf = bytearray(64 << 20)
+
+    def raw_read():
+        t = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+        return size / (time.perf_counter() - t)
+
+    raw_read()  # warm the page cache: both reads below come from memory
+    raw = raw_read()
+    g = gpt_index.GPTDataset(indexed.IndexedDataset(prefix), "train", "1,0,0", seq)
+    n = min(reads, len(g))
+    order = np.random.default_rng(1).permutation(len(g))[:n]
+    t = time.perf_counter()
+    for q in range(0, n, batch):
+        g.samples(order[q:q + batch], np.int32)
+    batched = n * (seq + 1) * 4 / (time.perf_counter() - t)
+    t = time.perf_counter()
+    for i in order[: n // 4]:
+        g[int(i)]
+    single = (n // 4) * (seq + 1) * 4 / (time.perf_counter() - t)
+    raw = max(raw, raw_read())  # the better of two raw reads, bracketing the random ones
+    return {"bin_bytes": size, "mean_doc_tokens": mean_doc, "samples_read": n,
+            "batch": batch, "raw_sequential_GBps": raw / 1e9,
+            "random_samples_GBps": batched / 1e9, "ratio": batched / raw,
+            "random_single_getitem_GBps": single / 1e9, "ratio_single": single / raw,
+            "target": ">= 0.70"}
+
+
+def bench_index(tokens: int, docs: int, seq: int, epochs: int) -> dict:
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 2 * tokens // docs, size=docs).astype(np.int32)
+    lens[-1] += tokens - int(lens.sum(dtype=np.int64))
+    indices = np.arange(docs, dtype=np.int64)
+    num_samples = ((epochs - 1) * tokens) // seq + 1
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    t = time.perf_counter()
+    doc, sample, shuffle = gpt_index.build_indices(lens, indices, seq, num_samples, 1234)
+    dt = time.perf_counter() - t
+    peak = tracemalloc.get_traced_memory()[1] - base
+    tracemalloc.stop()
+    out = doc.nbytes + sample.nbytes + shuffle.nbytes
+    return {"tokens": tokens, "documents": docs, "epochs": doc.size // docs,
+            "samples": int(shuffle.size), "seconds": dt, "peak_MiB": peak / 2**20,
+            "output_MiB": out / 2**20, "ratio": peak / out, "target": "<= 2.0"}
+
+
+def bench_pipeline(batch: int, batches: int, workers: int, trainer_rate: float) -> dict:
+    from ling2.config import load_config
+    cfg = load_config("model_name=ling2-tiny", data_path=pipeline.sample_prefix(),
+                      per_device_batch_size=batch, steps=batches, data_split="1,0,0",
+                      grain_worker_count=workers)
+    train = pipeline.datasets_from_config(cfg, 1, ["train"])[0]
+    # Timed from iterator creation to the last batch: grain reads ahead in threads/workers.
+    t = time.perf_counter()
+    it = pipeline.make_data_iterator(cfg, 1, "train", 0, 1, dataset=train)
+    first = next(it)
+    for _ in range(batches - 1):
+        next(it)
+    rate = batches / (time.perf_counter() - t)
+    return {"batch_shape": list(first["inputs"].shape), "workers": workers,
+            "batches_per_s": rate, "trainer_steps_per_s": trainer_rate,
+            "ratio": rate / trainer_rate, "target": ">= 10"}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bin-mb", type=int, default=512)
+    p.add_argument("--mean-doc-tokens", type=int, default=1024)
+    p.add_argument("--reads", type=int, default=20000)
+    p.add_argument("--seq-length", type=int, default=4096)
+    p.add_argument("--index-tokens", type=int, default=100_000_000)
+    p.add_argument("--index-docs", type=int, default=1_000_000)
+    p.add_argument("--index-epochs", default="1,4")
+    p.add_argument("--batch-size", type=int, default=32, help="ling2-tiny sequences per batch")
+    p.add_argument("--pipeline-batches", type=int, default=2000)
+    p.add_argument("--workers", default="0,2")
+    p.add_argument("--trainer-steps-per-s", type=float, default=20.0,
+                   help="what the trainer consumes (ling2-tiny steps/s; an estimate)")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default="bench_data.json")
+    a = p.parse_args(argv)
+    workdir = a.workdir or tempfile.mkdtemp(prefix="ling2_bench_data_")
+    os.makedirs(workdir, exist_ok=True)
+    try:
+        res = {"reads": bench_reads(workdir, a.bin_mb, a.mean_doc_tokens, a.reads, a.seq_length)}
+    finally:
+        for ext in (".bin", ".idx"):
+            f = os.path.join(workdir, "synthetic" + ext)
+            if os.path.exists(f):
+                os.remove(f)
+        if a.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    res["index"] = [bench_index(a.index_tokens, a.index_docs, a.seq_length, int(e))
+                    for e in a.index_epochs.split(",")]
+    res["pipeline"] = [bench_pipeline(a.batch_size, a.pipeline_batches, int(w),
+                                      a.trainer_steps_per_s) for w in a.workers.split(",")]
+
+    r = res["reads"]
+    print(f"{'benchmark':<44}{'value':>14}{'reference':>14}{'ratio':>8}  target")
+    print(f"{'random sample reads, batched (GB/s)':<44}{r['random_samples_GBps']:>14.2f}"
+          f"{r['raw_sequential_GBps']:>14.2f}{r['ratio']:>8.2f}  {r['target']}")
+    print(f"{'random sample reads, one by one (GB/s)':<44}"
+          f"{r['random_single_getitem_GBps']:>14.2f}{r['raw_sequential_GBps']:>14.2f}"
+          f"{r['ratio_single']:>8.2f}")
+    for x in res["index"]:
+        name = f"index {x['tokens']:.0e} tok {x['documents']:.0e} docs E={x['epochs']}"
+        print(f"{name + ' (MiB)':<44}{x['peak_MiB']:>14.1f}{x['output_MiB']:>14.1f}"
+              f"{x['ratio']:>8.2f}  {x['target']}  ({x['seconds']:.2f} s)")
+    for x in res["pipeline"]:
+        name = f"pipeline {x['batch_shape']} workers={x['workers']} (batch/s)"
+        print(f"{name:<44}{x['batches_per_s']:>14.1f}{x['trainer_steps_per_s']:>14.1f}"
+              f"{x['ratio']:>8.1f}  {x['target']}")
+    out = a.out
+    if not os.path.isabs(out) and os.environ.get("BUILD_WORKING_DIRECTORY"):
+        out = os.path.join(os.environ["BUILD_WORKING_DIRECTORY"], out)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

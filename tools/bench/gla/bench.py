@@ -1,0 +1,182 @@
+"""Benchmark of the simple-GLA kernels: prints a table and writes JSON.
+
+CPU (default): chunked vs the naive per-token recurrence vs quadratic (T x T) attention,
+B=1, H=4, D=128, fp32, forward and forward+backward, at T = 1K, 4K, 16K. The quadratic form
+runs one head at a time (lax.map) to keep its T x T buffers to one head. Memory is XLA's
+planned peak for the compiled program (arguments + outputs + temporaries), read from
+`memory_analysis()`; a case whose plan exceeds --mem_limit_gb is compiled but not run.
+Ratios are other / chunked time from the same run.
+
+GPU (--gpu, on a GPU machine): B=2, T=16K, H=16, D=128, bf16, forward+backward of the
+Pallas GPU kernel vs the pure-JAX chunked one, cuDNN attention (jax.nn.dot_product_attention,
+causal) and flash-linear-attention's Triton chunk_simple_gla (torch) when importable.
+
+  bazel run //tools/bench/gla:bench -- [--ts 1024,4096,16384] [--repeats 3] [--gpu] [--out FILE]
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ling2.kernels import gla
+
+
+def _planned_bytes(compiled):
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def _time(fn, args, repeats, slow_seconds=2.0):
+    """Median seconds of `repeats` runs of a compiled fn after a warm-up; a warm-up slower than
+    slow_seconds is the answer (one sample for very slow cases)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))  # already compiled: the warm-up is a real run
+    first = time.perf_counter() - t0
+    if first > slow_seconds:
+        return first
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _gla_fn(backend, mode, per_head=False, **kw):
+    def fwd(q, k, v, g):
+        if per_head:  # one head at a time: [B,T,H,D] -> map over H
+            one = lambda qkvg: gla.simple_gla(qkvg[0][:, :, None], qkvg[1][:, :, None], qkvg[2][:, :, None],
+                                              qkvg[3][None], backend=backend, **kw)[:, :, 0]
+            o = jax.lax.map(one, (jnp.moveaxis(q, 2, 0), jnp.moveaxis(k, 2, 0), jnp.moveaxis(v, 2, 0), g))
+            return jnp.moveaxis(o, 0, 2)
+        return gla.simple_gla(q, k, v, g, backend=backend, **kw)
+
+    if mode == "fwd":
+        return jax.jit(fwd)
+    loss = lambda q, k, v, g: jnp.sum(fwd(q, k, v, g).astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _inputs(B, T, H, D, dtype):
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.standard_normal((B, T, H, D)) * 0.1, dtype) for _ in range(3))
+    g = -jnp.asarray(2.0 ** (-0.5 * (np.arange(H) + 1)), jnp.float32)
+    return q, k, v, g
+
+
+def run_cpu(args):
+    impls = {"chunked": dict(backend="chunked"), "naive": dict(backend="naive"),
+             "quadratic": dict(backend="quadratic", per_head=True)}
+    rows = []
+    for T in args.ts:
+        ins = _inputs(1, T, 4, 128, jnp.float32)
+        for mode in ("fwd", "fwd+bwd"):
+            for name, kw in impls.items():
+                fn = _gla_fn(mode=mode, **kw)
+                compiled = fn.lower(*ins).compile()
+                mem = _planned_bytes(compiled)
+                row = {"T": T, "mode": mode, "impl": name, "planned_mb": None if mem is None else mem / 2**20}
+                if mem is not None and mem > args.mem_limit_gb * 2**30:
+                    row["skipped"] = f"planned {mem / 2**30:.1f} GB > --mem_limit_gb {args.mem_limit_gb}"
+                elif f"{name}_{mode}" in args.skip.get(T, ()):
+                    row["skipped"] = "not in the default run (use --full)"
+                else:
+                    row["seconds"] = _time(compiled, ins, args.repeats)
+                rows.append(row)
+                _print_row(row)
+    base = {(r["T"], r["mode"]): r.get("seconds") for r in rows if r["impl"] == "chunked"}
+    for r in rows:
+        if r.get("seconds") and base.get((r["T"], r["mode"])):
+            r["ratio_vs_chunked"] = r["seconds"] / base[(r["T"], r["mode"])]
+    return rows
+
+
+def run_gpu(args, attention_impl="cudnn"):
+    B, T, H, D = 2, args.gpu_t, 16, 128
+    ins = _inputs(B, T, H, D, jnp.bfloat16)
+    rows = []
+
+    def add(name, seconds):
+        rows.append({"T": T, "mode": "fwd+bwd", "impl": name, "seconds": seconds})
+        _print_row(rows[-1])
+
+    for backend in ("pallas_gpu", "chunked"):
+        fn = _gla_fn(backend, "fwd+bwd").lower(*ins).compile()
+        add(backend, _time(fn, ins, args.repeats))
+    q, k, v, _ = ins
+
+    def att(q, k, v):
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
+        return jnp.sum(o.astype(jnp.float32))
+
+    att_grad = jax.jit(jax.grad(att, argnums=(0, 1, 2))).lower(q, k, v).compile()
+    add("cudnn_attention", _time(att_grad, (q, k, v), args.repeats))
+    try:
+        from ling2.kernels.testing import fla_reference  # torch + fla-core; Triton needs a CUDA torch
+        g_BTH = np.broadcast_to(np.asarray(ins[3]), (B, T, H))
+        add("fla_chunk_simple_gla", fla_reference.chunk_simple_gla_cuda_seconds(q, k, v, g_BTH, args.repeats))
+    except ImportError as e:
+        rows.append({"impl": "fla_chunk_simple_gla", "skipped": f"not available: {e}"})
+        print(f"fla_chunk_simple_gla skipped: {e}")
+    base = rows[0]["seconds"]
+    for r in rows:
+        if r.get("seconds"):
+            r["ratio_vs_pallas_gpu"] = r["seconds"] / base
+    return rows
+
+
+def _print_row(r):
+    t = f"{r['seconds'] * 1e3:10.1f} ms" if r.get("seconds") else f"{'-':>13}"
+    mem = f"{r['planned_mb']:10.1f} MB" if r.get("planned_mb") is not None else f"{'':>13}"
+    print(f"{str(r.get('T', '')):>6} {r.get('mode', ''):>8} {r['impl']:>22} {t} {mem}  {r.get('skipped', '')}",
+          flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ts", default="1024,4096,16384", help="comma-separated sequence lengths (CPU)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--mem_limit_gb", type=float, default=4.0, help="skip CPU cases planned above this")
+    p.add_argument("--full", action="store_true", help="also run the slow CPU cases (quadratic/naive fwd+bwd at 16K)")
+    p.add_argument("--gpu", action="store_true", help="run the GPU comparison instead (needs a GPU)")
+    p.add_argument("--gpu_t", type=int, default=16384, help="sequence length of the GPU comparison")
+    p.add_argument("--out", default="", help="JSON path (default: tools/bench/gla/results_<platform>.json under "
+                   "the workspace with bazel run, else in the current directory)")
+    args = p.parse_args()
+    args.ts = [int(t) for t in args.ts.split(",")]
+    args.skip = {} if args.full else {16384: ("quadratic_fwd+bwd", "naive_fwd+bwd")}
+    print(f"{'T':>6} {'mode':>8} {'impl':>22} {'time':>13} {'planned':>13}")
+    if args.gpu:
+        if jax.default_backend() != "gpu":
+            raise SystemExit(f"--gpu: the default JAX backend is {jax.default_backend()!r}, not 'gpu'")
+        rows = run_gpu(args)
+    else:
+        rows = run_cpu(args)
+    ratios = [(r["T"], r["mode"], r["impl"], r[key]) for r in rows for key in ("ratio_vs_chunked", "ratio_vs_pallas_gpu")
+              if key in r and r["impl"] not in ("chunked", "pallas_gpu")]
+    print("\nratio = impl time / " + ("pallas_gpu" if args.gpu else "chunked") + " time (same run):")
+    for T, mode, impl, ratio in ratios:
+        print(f"{T:>6} {mode:>8} {impl:>22} {ratio:8.2f}x")
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
+              "cpu_count": os.cpu_count(), "host": platform.processor() or platform.machine(),
+              "jax": jax.__version__, "rows": rows}
+    name = f"results_{jax.default_backend()}.json"
+    ws = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
+    out = args.out or (os.path.join(ws, "tools", "bench", "gla", name) if ws else name)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Benchmark of one MoE block (ling2-small: D=512, 64 experts top-8 of width 64, shared 256):
+forward+backward tokens/s of the dropless sorted path and the dense capacity path, beside a
+dense SwiGLU MLP doing the same useful FLOPs, all in one run. Prints a table and writes JSON.
+
+Useful FLOPs per token (forward): router 2*D*E + routed 6*D*F*K + shared 6*D*Fs; the dense
+reference is one SwiGLU of width K*F + Fs (+ the router's matmul) so it does the same work;
+forward+backward counts 3x. "ratio" is a case's useful FLOP rate / the dense reference's.
+Memory is XLA's planned peak of the compiled step (arguments + outputs + temporaries).
+Timed cases alternate (round-robin, median of --repeats) so a shared machine's load is shared.
+On CPU the dropless path uses the tiled grouped matmul; --ragged_dot also times
+jax.lax.ragged_dot, which XLA:CPU expands to a dense masked product (E times the work).
+
+  bazel run //tools/bench/moe:bench -- [--batch 4 --seq 512] [--dtype float32] [--repeats 3] [--out FILE]
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ling2.config import load_config
+from ling2.layers.moe import MoE, Mlp
+
+
+def planned_bytes(compiled):
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+class DenseRef(nnx.Module):
+    """Dense SwiGLU of the same useful width as the MoE (K*F + Fs) plus a router-sized matmul."""
+
+    def __init__(self, cfg, *, rngs):
+        self.mlp = Mlp(cfg, cfg.num_experts_per_tok * cfg.base_moe_mlp_dim + cfg.shared_experts * cfg.shared_expert_dim,
+                       rngs=rngs)
+        self.router = nnx.Param(jax.random.normal(rngs.params(), (cfg.emb_dim, cfg.num_experts)) * cfg.init_std)
+
+    def __call__(self, x):
+        logits = jnp.dot(x.astype(jnp.float32), self.router[...], precision=jax.lax.Precision.HIGHEST)
+        return self.mlp(x) + 0 * logits.sum(-1, keepdims=True).astype(x.dtype), None
+
+
+def make_step(module):
+    def loss(m, x, ct):
+        y, aux = m(x)
+        extra = aux.loss if aux is not None else 0.0
+        return jnp.sum(y.astype(jnp.float32) * ct) + extra
+
+    return nnx.jit(nnx.grad(loss, argnums=(0, 1)))
+
+
+def compile_case(module, x, ct):
+    step = make_step(module)
+    graphdef, state = nnx.split(module)
+    compiled = jax.jit(lambda s, x, ct: step(nnx.merge(graphdef, s), x, ct)).lower(state, x, ct).compile()
+    jax.block_until_ready(compiled(state, x, ct))  # warm-up
+    return lambda: compiled(state, x, ct), planned_bytes(compiled)
+
+
+def time_round_robin(fns, repeats):
+    """Median seconds per case; cases alternate so load from other processes hits all alike."""
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[i].append(time.perf_counter() - t0)
+    return [float(np.median(t)) for t in times]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--dtype", default="", help="compute dtype (default: float32 on CPU, the model's elsewhere)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--capacity_factor", type=float, default=1.25, help="of the dense capacity path")
+    p.add_argument("--ragged_dot", action="store_true", help="also time jax.lax.ragged_dot (slow on CPU)")
+    p.add_argument("--out", default="", help="JSON path (default: moe_bench_<platform>.json in the workspace or cwd)")
+    a = p.parse_args()
+
+    on_cpu = jax.default_backend() == "cpu"
+    over = {"dtype": a.dtype} if a.dtype else ({"dtype": "float32"} if on_cpu else {})
+    cfg = load_config(model_name="ling2-small", **over)
+    D, E, K, F = cfg.emb_dim, cfg.num_experts, cfg.num_experts_per_tok, cfg.base_moe_mlp_dim
+    Fs = cfg.shared_experts * cfg.shared_expert_dim
+    T = a.batch * a.seq
+    flops = 3 * T * (2 * D * E + 6 * D * F * K + 6 * D * Fs)
+    dt = jnp.dtype(cfg.dtype)
+    x = jax.random.normal(jax.random.key(0), (a.batch, a.seq, D)).astype(dt)
+    ct = jax.random.normal(jax.random.key(1), (a.batch, a.seq, D))
+
+    cases = [("dense_matmul", lambda: DenseRef(cfg, rngs=nnx.Rngs(0))),
+             ("moe_dropless", lambda: MoE(cfg, rngs=nnx.Rngs(0))),
+             ("moe_dense_capacity", lambda: MoE(cfg.model_copy(update=dict(
+                 sparse_matmul=False, capacity_factor=a.capacity_factor)), rngs=nnx.Rngs(0)))]
+    if a.ragged_dot or not on_cpu:
+        cases.append(("moe_ragged_dot", lambda: MoE(cfg, rngs=nnx.Rngs(0), gmm="ragged_dot")))
+    compiled = [compile_case(build(), x, ct) for _, build in cases]
+    secs = time_round_robin([fn for fn, _ in compiled], a.repeats)
+    rows = []
+    for (name, _), (_, mem), sec in zip(cases, compiled, secs):
+        rows.append({"case": name, "ms": sec * 1e3, "tokens_per_s": T / sec, "gflops": flops / sec / 1e9,
+                     "planned_mb": None if mem is None else mem / 2 ** 20})
+    ref = rows[0]["gflops"]
+    for r in rows:
+        r["ratio_vs_dense_matmul"] = r["gflops"] / ref
+
+    print(f"MoE block fwd+bwd, ling2-small D={D} E={E} K={K} F={F} shared={Fs}, B={a.batch} S={a.seq} "
+          f"dtype={cfg.dtype} on {jax.default_backend()} ({jax.devices()[0].device_kind})")
+    print(f"useful work {flops / 1e9:.2f} GFLOP per step; target: moe_dropless ratio >= 0.50")
+    print(f"{'case':<22}{'ms/step':>10}{'tokens/s':>12}{'GFLOP/s':>10}{'ratio':>8}{'planned MB':>12}")
+    for r in rows:
+        mb = "-" if r["planned_mb"] is None else f"{r['planned_mb']:.0f}"
+        print(f"{r['case']:<22}{r['ms']:>10.1f}{r['tokens_per_s']:>12.0f}{r['gflops']:>10.1f}"
+              f"{r['ratio_vs_dense_matmul']:>8.2f}{mb:>12}")
+
+    result = {"bench": "moe", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+              "host": platform.node(), "cpu_count": os.cpu_count(),
+              "config": {"model": "ling2-small", "D": D, "E": E, "K": K, "F": F, "shared": Fs, "batch": a.batch,
+                         "seq": a.seq, "dtype": cfg.dtype, "capacity_factor": a.capacity_factor},
+              "useful_gflop_per_step": flops / 1e9, "rows": rows}
+    out = a.out or os.path.join(os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd()),
+                                f"moe_bench_{jax.default_backend()}.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
