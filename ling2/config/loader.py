@@ -70,7 +70,7 @@ def _chain(path: Path) -> list[tuple[Path, dict]]:
     parent = data.pop("base_config", None)
     if parent is None:
         return [(path, data)]
-    return _chain((path.parent / parent).resolve()) + [(path, data)]
+    return _chain(Path(os.path.abspath(path.parent / parent))) + [(path, data)]
 
 
 def load_config(*overrides: Union[str, Mapping[str, Any]], config_file: Union[str, os.PathLike, None] = None,
@@ -85,7 +85,7 @@ def load_config(*overrides: Union[str, Mapping[str, Any]], config_file: Union[st
       **kwargs: more overrides.
     """
     root = Path(config_file) if config_file else BASE_CONFIG
-    chain = _chain(root.resolve() if root.exists() else root)
+    chain = _chain(Path(os.path.abspath(root)))  # lexical: keeps Bazel runfiles paths
     merged: dict = {}
     sources: dict = {}
     for path, data in chain:

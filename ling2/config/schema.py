@@ -177,6 +177,9 @@ class Mesh(_Group):
 
 
 class Checkpointing(_Group):
+    load_parameters_path: str = Field(
+        description="Initial weights from a converter checkpoint (hf_to_ling2 --out) or a trainer step directory; "
+        "used only when the run has no checkpoint of its own to resume.")
     enable_checkpointing: bool
     async_checkpointing: bool
     checkpoint_period: PositiveInt

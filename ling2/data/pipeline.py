@@ -12,6 +12,7 @@ data-parallel sampler. Iterators are grain's, so `get_state`/`set_state` resume 
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from pathlib import Path
 from typing import Optional, Sequence
@@ -22,7 +23,7 @@ import numpy as np
 from ling2.data.blend import build_splits
 from ling2.data.gpt_index import SPLITS
 
-SAMPLE_DIR = Path(__file__).resolve().parents[2] / "data" / "sample"
+SAMPLE_DIR = Path(os.path.abspath(__file__)).parents[2] / "data" / "sample"  # runfiles under Bazel
 
 
 def sample_prefix() -> str:

@@ -93,6 +93,18 @@ def moe_metrics(moe: dict, k: int) -> dict:
     return out
 
 
+def load_parameters(cfg, gd, state, tx):
+    """Replaces the initial weights with a converted checkpoint's (same shardings); fresh optimizer state."""
+    from ling2.convert.convert import load_into
+
+    model = nnx.merge(gd, state.params, state.rest)
+    shardings = jax.tree.map(lambda x: x.sharding, (state.params, state.rest))
+    load_into(model, cfg.load_parameters_path, cfg)
+    _, params, rest = nnx.split(model, step_lib.trainable_filter(cfg), ...)
+    params, rest = jax.device_put((params, rest), shardings)
+    return state.replace(params=params, rest=rest, opt_state=jax.jit(tx.init)(params))
+
+
 def _fields(state) -> dict:
     return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
 
@@ -177,6 +189,9 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
         restored, meta = ckpt.restore(start, _fields(state), train_iter)
         state = step_lib.TrainState(**restored)
         log(f"resumed from {ckpt.directory / str(start)} (step {start})")
+    elif cfg.load_parameters_path:
+        state = load_parameters(cfg, gd, state, tx)
+        log(f"initial weights from {cfg.load_parameters_path}")
 
     writer = MetricsWriter(run_dir, tensorboard=tensorboard)
     flops_tok = training_flops_per_token(cfg)

@@ -60,6 +60,8 @@ def main(argv):
     from ling2.train.data import DataError, make_iterator_factory
     from ling2.train.loop import TrainingError, run
 
+    if cfg.load_parameters_path:
+        cfg = cfg.model_copy(update={"load_parameters_path": str(user_path(cfg.load_parameters_path))})
     run_dir = user_path(FLAGS.run_dir)
     try:
         result = run(cfg, run_dir, make_iterator_factory(find_file), max_consecutive_skips=FLAGS.max_consecutive_skips,

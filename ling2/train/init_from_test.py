@@ -1,0 +1,39 @@
+"""`load_parameters_path` starts a new run from another run's (or a converted) checkpoint.
+
+Reference: the source step's parameters as orbax restores them directly.
+"""
+
+import jax
+import numpy as np
+
+from ling2.config import load_config
+from ling2.train import loop
+from ling2.train.checkpoint import Checkpointer
+from ling2.train.data import make_iterator_factory
+from ling2.train.testing import e2e
+from ling2.train.train import find_file
+
+
+def test_new_run_starts_from_given_weights(tmp_path):
+    cfg = load_config(*e2e.MICRO, "steps=2", "checkpoint_period=1", "async_checkpointing=false",
+                      config_file=find_file("configs/train/tiny_sample.yml"))
+    make = make_iterator_factory(find_file)
+    devices = jax.devices()[:1]
+    loop.run(cfg, tmp_path / "a", make, tensorboard=False, log=lambda s: None, devices=devices)
+
+    b = cfg.model_copy(update={"load_parameters_path": str(tmp_path / "a" / "checkpoints" / "2")})
+    mesh = loop.sharding.make_mesh(b, devices)
+    gd, tx, _, fresh = loop.init_state(b, mesh)
+    fresh_leaves = [np.array(x) for x in jax.tree.leaves(fresh.params)]
+    started = loop.load_parameters(b, gd, fresh, tx)
+
+    ck = Checkpointer(tmp_path / "a" / "checkpoints", cfg)
+    saved, _ = ck.restore(2, loop._fields(fresh), None)
+    ck.close()
+    want = jax.tree.leaves(saved["params"])
+    got = jax.tree.leaves(started.params)
+    assert len(want) == len(got) > 10
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert any(not np.array_equal(f, np.asarray(g)) for f, g in zip(fresh_leaves, got))
+    assert int(started.step) == 0  # a new run: counters and optimizer start fresh
