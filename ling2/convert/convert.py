@@ -1,0 +1,338 @@
+"""HF safetensors <-> Ling2 checkpoints, tensor by tensor, never the whole model in memory.
+
+A converted Ling2 checkpoint directory holds
+  config.yml   the resolved Ling2 config (`ling2.config.to_yaml`), loadable with `read_config`
+  state/       the pure-dict state of `DecoderWithMTP` ({"decoder": ..., "mtp": ...}), every nnx
+               Variable included (Params and the RoutedBias expert biases), as sharded safetensors
+               (safetensors_io's format, model.safetensors.index.json included): one tensor per
+               leaf, named by its key path joined with "/" (e.g. decoder/layers/3/attention/qkv),
+               in the model's dtype and Ling2 shape (scanned leaves stacked [group, ...])
+`load_state` restores it into the model's own key structure for `nnx.replace_by_pure_dict`;
+it also reads a trainer step directory ({run}/checkpoints/{step}, orbax item `state` holding
+params + rest). hf_to_ling2 lays out every header first, then reads each HF tensor once and
+writes its Ling2 block (one expert, one scan group) straight to its file offset; ling2_to_hf
+reads each block back alone and writes HF shards the same way. Peak memory is one HF tensor
+and its transposed copy, whatever the model size (a trainer step directory is still
+restored whole by orbax).
+"""
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import yaml
+from flax import nnx
+from tqdm import tqdm
+
+from ling2.config import load_config, to_yaml
+from ling2.convert import hf_config, mapping
+from ling2.convert.safetensors_io import INDEX_NAME, PlannedWriter, ShardedReader
+from ling2.layers.mtp import DecoderWithMTP, build_mtp
+
+CONFIG_NAME = "config.yml"
+STATE_NAME = "state"
+STATE_SHARD = 2 << 30
+
+
+class ConversionError(ValueError):
+    """Tensors that do not fit the model; the message lists every offender with both shapes."""
+
+
+def _flat(tree, prefix=()) -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flat(v, prefix + (k,)))
+        return out
+    return {prefix: tree}
+
+
+def _unflat(flat: dict) -> dict:
+    out = {}
+    for path, v in flat.items():
+        d = out
+        for k in path[:-1]:
+            d = d.setdefault(k, {})
+        d[path[-1]] = v
+    return out
+
+
+def _key(path) -> str:
+    return "/".join(map(str, path))
+
+
+def abstract_state(cfg) -> dict:
+    """{path: jax.ShapeDtypeStruct} of every Variable of DecoderWithMTP(cfg), nothing allocated."""
+    return dict(_abstract_state(to_yaml(cfg)))
+
+
+@functools.lru_cache(maxsize=4)
+def _abstract_state(cfg_yaml: str) -> tuple:  # tracing the model takes ~1 s at ling2-small: once per config
+    cfg = load_config(yaml.safe_load(cfg_yaml))
+    model = jax.eval_shape(lambda: DecoderWithMTP(cfg, rngs=nnx.Rngs(cfg.seed)))
+    return tuple(_flat(nnx.to_pure_dict(nnx.state(model))).items())
+
+
+def read_hf_config(hf_dir) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{path}: not found")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path}: malformed JSON: {e}") from None
+
+
+def _resolve(e, names: set):
+    for n in (e.hf,) + e.aliases:
+        if n in names:
+            return n
+    return None
+
+
+def _plan(reader, cfg, layout: str, allow_missing_mtp: bool):
+    """(leaves, [(entry, HF name)], skip_mtp) after checking `reader` against the model.
+
+    Raises ConversionError listing every missing, unexpected and mis-shaped tensor.
+    """
+    leaves = abstract_state(cfg)
+    es = mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()})
+    names = set(reader.names())
+    found = {e: _resolve(e, names) for e in es}
+    missing = [e for e in es if found[e] is None]
+    skip_mtp = allow_missing_mtp and any(e.mtp for e in es) and all(found[e] is None for e in es if e.mtp)
+    if skip_mtp:
+        missing = [e for e in missing if not e.mtp]
+    used = {n for n in found.values() if n is not None}
+    unexpected = sorted(n for n in names - used if not mapping.ignorable(n, layout, cfg))
+    bad = [(e, found[e]) for e in es if found[e] is not None
+           and reader.shape(found[e]) != mapping.hf_shape(e, leaves[e.path].shape)]
+    if missing or unexpected or bad:
+        lines = [f"  missing: {e.hf} expected {mapping.hf_shape(e, leaves[e.path].shape)}, checkpoint has none"
+                 for e in missing]
+        lines += [f"  unexpected: {n} checkpoint {reader.shape(n)}, model has none" for n in unexpected]
+        lines += [f"  mis-shaped: {n} checkpoint {reader.shape(n)} vs expected "
+                  f"{mapping.hf_shape(e, leaves[e.path].shape)}" for e, n in bad]
+        hint = "" if allow_missing_mtp or not any(e.mtp for e in missing) else " (--allow_missing_mtp skips MTP)"
+        raise ConversionError(f"{reader.dir}: checkpoint does not match the {layout} layout of the config "
+                              f"({len(missing)} missing, {len(unexpected)} unexpected, {len(bad)} mis-shaped){hint}:\n"
+                              + "\n".join(lines))
+    return leaves, [(e, found[e]) for e in es if found[e] is not None], skip_mtp
+
+
+def _hf_to_sink(reader, cfg, layout, sink, allow_missing_mtp, progress, plan=None) -> None:
+    """Reads every HF tensor once and hands its Ling2 block to `sink.add(key, block, index)`."""
+    leaves, todo, skip_mtp = plan or _plan(reader, cfg, layout, allow_missing_mtp)
+    for e, name in tqdm(todo, desc="hf->ling2", unit="tensor", disable=not progress):
+        leaf = leaves[e.path]
+        sink.add(_key(e.path), mapping.to_ling2(e, reader.read(name, copy=False), leaf.shape), e.index)
+    if skip_mtp:
+        mtp = nnx.jit(lambda: build_mtp(cfg, rngs=nnx.Rngs(cfg.seed)))()  # one compile, not one per op
+        for p, v in _flat(nnx.to_pure_dict(nnx.state(mtp))).items():
+            sink.add(_key(("mtp",) + p), np.asarray(v))
+
+
+class _ArraySink:
+    """Preallocated numpy leaves filled block by block (the in-memory twin of PlannedWriter)."""
+
+    def __init__(self, leaves: dict):
+        self.arrays = {_key(p): np.empty(v.shape, v.dtype) for p, v in leaves.items()}
+
+    def add(self, key, x, index=()):
+        self.arrays[key][index] = x
+
+
+def hf_to_state(reader, cfg, layout: str, allow_missing_mtp: bool = False, progress: bool = True) -> dict:
+    """The pure-dict Ling2 state (numpy leaves) read from `reader` in `layout`, all in memory.
+
+    Raises ConversionError listing every missing, unexpected and mis-shaped tensor. With
+    `allow_missing_mtp`, a checkpoint with none of the MTP tensors loads; the MTP layers
+    keep their seeded initial values.
+    """
+    plan = _plan(reader, cfg, layout, allow_missing_mtp)
+    sink = _ArraySink(plan[0])
+    _hf_to_sink(reader, cfg, layout, sink, allow_missing_mtp, progress, plan)
+    return _unflat({p: sink.arrays[_key(p)] for p in plan[0]})
+
+
+def hf_specs(cfg, layout: str, dtype=None) -> list:
+    """[(HF name, shape, dtype)] of every tensor `state_to_hf` writes, in its order."""
+    leaves = abstract_state(cfg)
+    return [(e.hf, mapping.hf_shape(e, leaves[e.path].shape), np.dtype(leaves[e.path].dtype if dtype is None else dtype))
+            for e in mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()})]
+
+
+def state_to_hf(state, cfg, layout: str, writer, progress: bool = True) -> None:
+    """Writes every HF tensor through `writer.add(name, array)`, one at a time (views; the writer casts).
+
+    `state` is a pure-dict Ling2 state (either key type) or a ShardedReader over a converter
+    `state/` directory, from which each block is read only when it is written.
+    """
+    leaves = abstract_state(cfg)
+    es = mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()})
+    if isinstance(state, ShardedReader):
+        _check_state({tuple(n.split("/")): state.shape(n) for n in state.names()}, leaves, str(state.dir))
+        block = lambda e: state.read(_key(e.path), e.index, copy=False)  # noqa: E731
+    else:
+        flat = {tuple(map(str, p)): v for p, v in _flat(state).items()}
+        _check_state({p: np.shape(v) for p, v in flat.items()}, leaves, "state")
+        block = lambda e: np.asarray(flat[tuple(map(str, e.path))][e.index])  # noqa: E731
+    for e in tqdm(es, desc="ling2->hf", unit="tensor", disable=not progress):
+        writer.add(e.hf, mapping.to_hf(e, block(e), leaves[e.path].shape))
+
+
+def _check_state(shapes: dict, leaves: dict, where: str) -> None:
+    """Raises ConversionError listing every leaf whose shape ({str path: shape}) differs from the model's."""
+    want = {tuple(map(str, p)): tuple(v.shape) for p, v in leaves.items()}
+    have = {p: tuple(v) for p, v in shapes.items()}
+    lines = [f"  {_key(p)}: checkpoint {have.get(p, 'missing')} vs model {want.get(p, 'missing')}"
+             for p in sorted(set(want) | set(have)) if have.get(p) != want.get(p)]
+    if lines:
+        raise ConversionError(f"{where}: Ling2 state does not match the config:\n" + "\n".join(lines))
+
+
+def read_config(path, *overrides):
+    """A Ling2 config from a resolved YAML (e.g. the converter's config.yml), plus overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConversionError(f"{path}: Ling2 config not found")
+    return load_config(yaml.safe_load(path.read_text()), *overrides)
+
+
+def _state_writer(out_dir, cfg, leaves: dict, order=()) -> PlannedWriter:
+    """Writes config.yml and plans `state/` (one safetensors tensor per leaf, in `order` first)."""
+    out = Path(out_dir).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_NAME).write_text(to_yaml(cfg))
+    if (out / STATE_NAME).exists():
+        shutil.rmtree(out / STATE_NAME)
+    paths = list(dict.fromkeys(list(order) + list(leaves)))
+    return PlannedWriter(out / STATE_NAME, [(_key(p), leaves[p].shape, leaves[p].dtype) for p in paths], STATE_SHARD)
+
+
+def save_state(out_dir, state: dict, cfg) -> Path:
+    """Writes config.yml and the `state/` directory (see the module doc) of an in-memory state."""
+    leaves = abstract_state(cfg)
+    flat = {tuple(map(str, p)): v for p, v in _flat(state).items()}
+    _check_state({p: np.shape(v) for p, v in flat.items()}, leaves, "state")
+    writer = _state_writer(out_dir, cfg, leaves)
+    for p in leaves:
+        writer.add(_key(p), np.asarray(flat[tuple(map(str, p))]))
+    writer.close()
+    return Path(out_dir).absolute()
+
+
+class _DictReader:
+    """{name: array} with ShardedReader's interface."""
+
+    def __init__(self, tensors: dict, where: str):
+        self.tensors, self.dir = tensors, where
+
+    def names(self):
+        return sorted(self.tensors)
+
+    def shape(self, name):
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name):
+        return self.tensors[name]
+
+    def add(self, name, a):
+        self.tensors[name] = a
+
+
+def relayout(state: dict, cfg_from, cfg_to) -> dict:
+    """The same weights in cfg_to's parameter layout (scanned <-> unscanned), via the HF names."""
+    tensors = _DictReader({}, "relayout")
+    state_to_hf(state, cfg_from, "bailing", tensors, progress=False)
+    return hf_to_state(tensors, cfg_to, "bailing", progress=False)
+
+
+def load_state(ckpt_dir, cfg) -> dict:
+    """The pure-dict state (model key types) of a converter checkpoint or a trainer step directory.
+
+    A converter checkpoint saved with the other `scan_layers` is re-laid out to `cfg`'s.
+    """
+    saved = Path(ckpt_dir) / CONFIG_NAME
+    if saved.is_file():
+        saved_cfg = read_config(saved)
+        if saved_cfg.scan_layers != cfg.scan_layers:
+            return relayout(_load_state(ckpt_dir, saved_cfg), saved_cfg, cfg)
+    return _load_state(ckpt_dir, cfg)
+
+
+def _load_state(ckpt_dir, cfg) -> dict:
+    path = Path(ckpt_dir).absolute() / STATE_NAME
+    if (path / INDEX_NAME).is_file():  # converter layout: one safetensors tensor per leaf
+        reader = ShardedReader(path)
+        _check_state({tuple(n.split("/")): reader.shape(n) for n in reader.names()}, abstract_state(cfg), str(path))
+        return _unflat({p: reader.read(_key(p)) for p in abstract_state(cfg)})
+    if not path.is_dir():
+        raise ConversionError(f"{path}: no converter state or orbax state item")
+    with ocp.StandardCheckpointer() as ckptr:
+        tree = ckptr.restore(path)
+    if "params" in tree and "decoder" not in tree:  # trainer TrainState: trainable params + the rest
+        flat = _flat(tree["params"])
+        flat.update(_flat(tree.get("rest") or {}))
+        flat = {p[:-1] if p[-1] == "value" else p: v for p, v in flat.items()}  # nnx.State keeps Variable.value
+    else:
+        flat = _flat(tree)
+    flat = {tuple(map(str, p)): v for p, v in flat.items()}
+    leaves = abstract_state(cfg)
+    _check_state({p: np.shape(v) for p, v in flat.items()}, leaves, str(path))
+    return _unflat({p: np.asarray(flat[tuple(map(str, p))]) for p in leaves})
+
+
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16"}
+
+
+def convert_hf_to_ling2(hf_dir, out_dir, *, scan_layers: bool = False, dtype: str = "fp32", layout: str = "auto",
+                        allow_missing_mtp: bool = False, overrides=(), progress: bool = True):
+    """HF directory -> Ling2 checkpoint directory; returns the Ling2 config."""
+    hf = read_hf_config(hf_dir)
+    layout = hf_config.detect_layout(hf) if layout == "auto" else layout
+    if dtype not in DTYPES:
+        raise ConversionError(f"--dtype: unknown {dtype!r} (known: {sorted(DTYPES)})")
+    cfg = hf_config.load_ling2_config(hf, layout, {"scan_layers": scan_layers, "weight_dtype": DTYPES[dtype]},
+                                      *overrides)
+    reader = ShardedReader(hf_dir)
+    plan = _plan(reader, cfg, layout, allow_missing_mtp)
+    writer = _state_writer(out_dir, cfg, plan[0], [e.path for e, _ in plan[1]])
+    _hf_to_sink(reader, cfg, layout, writer, allow_missing_mtp, progress, plan)
+    writer.close()
+    return cfg
+
+
+def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "bailing", config=None, dtype: str = "",
+                        shard_bytes: int = 2 << 30, progress: bool = True) -> dict:
+    """Ling2 checkpoint directory -> HF directory (shards, index, config.json); returns the index."""
+    cfg = read_config(config or Path(ckpt_dir) / CONFIG_NAME)
+    saved = Path(ckpt_dir) / CONFIG_NAME
+    if (Path(ckpt_dir) / STATE_NAME / INDEX_NAME).is_file() and (
+            not saved.is_file() or read_config(saved).scan_layers == cfg.scan_layers):
+        state = ShardedReader(Path(ckpt_dir) / STATE_NAME)  # streamed: one block in memory at a time
+    else:
+        state = load_state(ckpt_dir, cfg)
+    if dtype and dtype not in DTYPES:
+        raise ConversionError(f"--dtype: unknown {dtype!r} (known: {sorted(DTYPES)})")
+    np_dtype = np.dtype(jax.numpy.dtype(DTYPES[dtype])) if dtype else None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = hf_config.config_to_hf(cfg, layout, DTYPES[dtype] if dtype else "")
+    writer = PlannedWriter(out, hf_specs(cfg, layout, np_dtype), shard_bytes)
+    state_to_hf(state, cfg, layout, writer, progress)
+    index = writer.close()
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return index
+
+
+def load_into(model, ckpt_dir, cfg) -> None:
+    """Overwrites every Variable of `model` (a DecoderWithMTP of `cfg`) with a checkpoint's values."""
+    state = nnx.state(model)
+    nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, load_state(ckpt_dir, cfg)))
+    nnx.update(model, state)

@@ -1,0 +1,249 @@
+"""HF <-> Ling2 conversion: round trips, config mapping, validation errors, file format."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from ling2.config import load_config
+from ling2.convert import convert, hf_config, hf_to_ling2, ling2_to_hf
+from ling2.convert.safetensors_io import INDEX_NAME, ShardedReader, ShardedWriter
+from ling2.convert.testing.hf_fixtures import write_random_hf
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_config(model_name="ling2-tiny")
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory, tiny):
+    d = tmp_path_factory.mktemp("hf")
+    return d, write_random_hf(d, tiny)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_round_trip_is_bit_identical(tmp_path, hf_tiny, scan):
+    hf_dir, ref = hf_tiny
+    assert len(json.loads((hf_dir / INDEX_NAME).read_text())["weight_map"]) == len(ref)
+    assert len(set(json.loads((hf_dir / INDEX_NAME).read_text())["weight_map"].values())) > 1
+    cfg = convert.convert_hf_to_ling2(hf_dir, tmp_path / "l2", scan_layers=scan, progress=False)
+    assert cfg.scan_layers == scan
+    state = convert.load_state(tmp_path / "l2", cfg)
+    if scan:  # layer 5 is the first of the scanned groups (the prefix holds the dense layer's group)
+        assert state["decoder"]["groups"]["layers"][0]["attention"]["qkv"].shape[0] == 1
+    other_cfg = load_config(cfg.model_dump(exclude={"model_name"}), scan_layers=not scan)
+    other = convert.load_state(tmp_path / "l2", other_cfg)  # saved with `scan`, loaded in the other layout
+    again = convert.relayout(other, other_cfg, cfg)
+    assert jax.tree.all(jax.tree.map(np.array_equal, again, state))  # scanned <-> unscanned loses nothing
+    convert.convert_ling2_to_hf(tmp_path / "l2", tmp_path / "hf2", progress=False, shard_bytes=1 << 20)
+    out = ShardedReader(tmp_path / "hf2")
+    assert sorted(out.names()) == sorted(ref)
+    for n, a in ref.items():
+        got = out.read(n)
+        assert got.dtype == a.dtype and np.array_equal(got, a), n
+
+
+def test_layouts_place_tensors_as_the_model_uses_them(tmp_path, hf_tiny):
+    """Spot checks against the HF layout written out by hand (independent of mapping.py)."""
+    hf_dir, ref = hf_tiny
+    cfg = convert.convert_hf_to_ling2(hf_dir, tmp_path / "l2", progress=False)
+    s = convert.load_state(tmp_path / "l2", cfg)["decoder"]
+    E, H, D = 128, 4, 32
+    qkv = ref["model.layers.1.attention.query_key_value.weight"]  # [3HD, E]: q heads, k heads, v heads
+    np.testing.assert_array_equal(s["layers"][1]["attention"]["qkv"][:, 1, 2, 5], qkv[1 * H * D + 2 * D + 5])
+    dense = ref["model.layers.1.attention.dense.weight"]  # [E, HD]
+    np.testing.assert_array_equal(s["layers"][1]["attention"]["dense"][3, 7], dense[:, 3 * D + 7])
+    kv_b = ref["model.layers.4.attention.kv_b_proj.weight"]  # [H*(nope+v), kv_lora]
+    np.testing.assert_array_equal(s["layers"][4]["attention"]["kv_b"][:, 2, 40], kv_b[2 * 64 + 40])
+    up = ref["model.layers.6.mlp.experts.11.up_proj.weight"]  # [I, E]
+    np.testing.assert_array_equal(s["layers"][6]["mlp"]["experts"]["up_proj"][11], up.T)
+    np.testing.assert_array_equal(s["lm_head"]["kernel"], ref["lm_head.weight"].T)
+    np.testing.assert_array_equal(s["layers"][6]["mlp"]["gate"]["expert_bias"], ref["model.layers.6.mlp.gate.expert_bias"])
+    m = convert.load_state(tmp_path / "l2", cfg)["mtp"]["depths"][0]
+    np.testing.assert_array_equal(m["eh_proj"], ref["model.layers.10.eh_proj.weight"].T)
+    np.testing.assert_array_equal(m["final_norm"]["weight"], ref["model.layers.10.final_layernorm.weight"])
+    assert E == cfg.emb_dim and H == cfg.num_query_heads and D == cfg.head_dim
+
+
+def test_bf16_round_trip(tmp_path, tiny):
+    cfg = load_config(model_name="ling2-tiny", base_num_decoder_layers=5, weight_dtype="bfloat16")
+    ref = write_random_hf(tmp_path / "hf", cfg, dtype=np.dtype("bfloat16"))
+    c2 = convert.convert_hf_to_ling2(tmp_path / "hf", tmp_path / "l2", dtype="bf16", progress=False)
+    assert c2.weight_dtype == "bfloat16" and c2.routed_bias_dtype == "float32"
+    convert.convert_ling2_to_hf(tmp_path / "l2", tmp_path / "hf2", progress=False)
+    out = ShardedReader(tmp_path / "hf2")
+    for n, a in ref.items():
+        got = out.read(n)
+        if n.endswith("expert_bias"):  # kept in fp32 (routed_bias_dtype), exact for bf16 values
+            assert got.dtype == np.float32 and np.array_equal(got, a.astype(np.float32)), n
+        else:
+            assert got.dtype == a.dtype and np.array_equal(got.view(np.uint16), a.view(np.uint16)), n
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+MODEL_FIELDS = ["vocab_size", "base_emb_dim", "base_mlp_dim", "base_num_decoder_layers", "base_num_query_heads",
+                "head_dim", "inhomogeneous_layer_cycle_interval", "first_num_dense_layers", "mtp_num_layers",
+                "moe_shared_expert_dim", "shared_experts", "n_routing_groups", "topk_routing_group",
+                "routed_score_func", "routed_scaling_factor", "rope_max_timescale", "rope_type", "rope_factor",
+                "partial_rotary_factor", "group_norm_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim", "num_experts", "num_experts_per_tok", "base_moe_mlp_dim",
+                "mla_interleaved_rope", "use_qk_norm", "use_linear_silu", "normalization_layer_epsilon",
+                "logits_via_embedding", "routed_bias", "original_max_position_embeddings", "mscale_all_dim"]
+
+
+@pytest.mark.parametrize("model", ["ling2-tiny", "ling2"])
+def test_config_round_trip(model):
+    cfg = load_config(model_name=model, rope_type="yarn", rope_factor=4.0, mscale_all_dim=1.0)
+    hf = hf_config.config_to_hf(cfg, "bailing")
+    back = hf_config.load_ling2_config(json.loads(json.dumps(hf)), "bailing")
+    assert {f: getattr(back, f) for f in MODEL_FIELDS} == {f: getattr(cfg, f) for f in MODEL_FIELDS}
+
+
+def test_config_fields_from_a_bailing_config_json():
+    """Hand-written HF fields (names of configuration_bailing_moe_v2_5.py) -> Ling2 fields."""
+    hf = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 7,
+          "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "rms_norm_eps": 1e-5,
+          "max_position_embeddings": 512, "rope_theta": 600000.0, "num_experts": 16, "num_shared_experts": 2,
+          "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 8,
+          "first_k_dense_replace": 2, "num_nextn_predict_layers": 1, "routed_scaling_factor": 2.5,
+          "layer_group_size": 3, "group_norm_size": 2, "kv_lora_rank": 32, "q_lora_rank": None,
+          "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16, "partial_rotary_factor": 0.5,
+          "score_function": "sigmoid", "rope_scaling": {"type": "yarn", "factor": 8.0,
+                                                        "original_max_position_embeddings": 64}}
+    cfg = hf_config.load_ling2_config(hf, "bailing")
+    assert cfg.inhomogeneous_layer_cycle_interval == 3 and cfg.first_num_dense_layers == 2
+    assert cfg.mtp_num_layers == 1 and cfg.moe_shared_expert_dim == 16 and cfg.shared_experts == 1
+    assert (cfg.n_routing_groups, cfg.topk_routing_group, cfg.routed_scaling_factor) == (4, 2, 2.5)
+    assert (cfg.rope_type, cfg.rope_factor, cfg.original_max_position_embeddings) == ("yarn", 8.0, 64)
+    assert cfg.rope_max_timescale == 600000.0 and cfg.group_norm_size == 2 and cfg.q_lora_rank == 0
+    assert cfg.layer_types == ("gla", "gla", "mla", "gla", "gla", "mla", "mla")
+    hf["moe_shared_expert_intermediate_size"] = 24
+    assert hf_config.load_ling2_config(hf, "bailing").moe_shared_expert_dim == 24
+    with pytest.raises(hf_config.HFConfigError, match="layer_group_size"):
+        hf_config.load_ling2_config({k: v for k, v in hf.items() if k != "layer_group_size"}, "bailing")
+
+
+def test_validation_lists_every_offender_with_both_shapes(tmp_path, tiny):
+    drop = ("model.layers.3.attention.g_proj.weight", "model.layers.7.mlp.experts.2.down_proj.weight")
+    bad = {"model.layers.4.attention.kv_b_proj.weight": np.zeros((3, 64), np.float32),
+           "model.layers.99.mlp.gate.weight": np.zeros((16, 128), np.float32)}
+    ref = write_random_hf(tmp_path, tiny, drop=drop)
+    ref.update(bad)
+    w = ShardedWriter(tmp_path, shard_bytes=1 << 30)
+    for n, a in ref.items():
+        w.add(n, a)
+    w.close()
+    with pytest.raises(convert.ConversionError) as e:
+        convert.hf_to_state(ShardedReader(tmp_path), tiny, "bailing", progress=False)
+    msg = str(e.value)
+    assert "2 missing, 1 unexpected, 1 mis-shaped" in msg
+    assert "missing: model.layers.3.attention.g_proj.weight expected (128, 128)" in msg
+    assert "missing: model.layers.7.mlp.experts.2.down_proj.weight expected (128, 64)" in msg
+    assert "unexpected: model.layers.99.mlp.gate.weight checkpoint (16, 128)" in msg
+    assert "mis-shaped: model.layers.4.attention.kv_b_proj.weight checkpoint (3, 64) vs expected (256, 64)" in msg
+
+
+def test_missing_mtp_needs_the_flag(tmp_path, tiny):
+    mtp = [n for n in write_random_hf(tmp_path / "a", tiny) if n.startswith("model.layers.10.")]
+    ref = write_random_hf(tmp_path / "b", tiny, drop=mtp)
+    with pytest.raises(convert.ConversionError, match=r"--allow_missing_mtp") as e:
+        convert.hf_to_state(ShardedReader(tmp_path / "b"), tiny, "bailing", progress=False)
+    assert f"{len(mtp)} missing, 0 unexpected" in str(e.value)
+    state = convert.hf_to_state(ShardedReader(tmp_path / "b"), tiny, "bailing", allow_missing_mtp=True,
+                                progress=False)
+    np.testing.assert_array_equal(state["decoder"]["lm_head"]["kernel"], ref["lm_head.weight"].T)
+    assert state["mtp"]["depths"][0]["eh_proj"].shape == (256, 128)
+    assert np.std(state["mtp"]["depths"][0]["eh_proj"]) > 0  # seeded init, not garbage or zeros
+    partial = write_random_hf(tmp_path / "c", tiny, drop=mtp[:1])
+    assert len(partial) == len(ref) + len(mtp) - 1
+    with pytest.raises(convert.ConversionError, match="1 missing"):  # a partial MTP is still an error
+        convert.hf_to_state(ShardedReader(tmp_path / "c"), tiny, "bailing", allow_missing_mtp=True, progress=False)
+
+
+def test_expert_bias_accepts_e_score_correction_bias(tmp_path, tiny):
+    old = "model.layers.6.mlp.gate.expert_bias"
+    ref = write_random_hf(tmp_path, tiny, rename={old: "model.layers.6.mlp.gate.e_score_correction_bias"})
+    state = convert.hf_to_state(ShardedReader(tmp_path), tiny, "bailing", progress=False)
+    np.testing.assert_array_equal(state["decoder"]["layers"][6]["mlp"]["gate"]["expert_bias"],
+                                  ref["model.layers.6.mlp.gate.e_score_correction_bias"])
+
+
+def test_written_shards_read_by_the_safetensors_package(tmp_path, hf_tiny):
+    hf_dir, ref = hf_tiny
+    index = json.loads((hf_dir / INDEX_NAME).read_text())
+    seen = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        seen.update(safetensors.numpy.load_file(hf_dir / shard))
+    assert sorted(seen) == sorted(ref)
+    assert all(np.array_equal(seen[n], ref[n]) for n in ref)
+    assert index["metadata"]["total_size"] == sum(a.nbytes for a in ref.values())
+
+
+def test_cli_both_directions(tmp_path, hf_tiny, capsys):
+    hf_dir, ref = hf_tiny
+    assert hf_to_ling2.main(["--hf_dir", str(hf_dir), "--out", str(tmp_path / "l2"), "--scan_layers",
+                             "--no_progress", "--set", "max_target_length=128"]) == 0
+    assert "scan_layers=True" in capsys.readouterr().out
+    assert convert.read_config(tmp_path / "l2" / "config.yml").max_target_length == 128
+    assert ling2_to_hf.main(["--ckpt", str(tmp_path / "l2"), "--out", str(tmp_path / "hf2"), "--no_progress",
+                             "--shard_gb", "0.001"]) == 0
+    assert f"{len(ref)} tensors" in capsys.readouterr().out
+    out = ShardedReader(tmp_path / "hf2")
+    assert all(np.array_equal(out.read(n), a) for n, a in ref.items())
+    with pytest.raises(convert.ConversionError, match="config.json: not found"):
+        hf_to_ling2.main(["--hf_dir", str(tmp_path), "--out", str(tmp_path / "x"), "--no_progress"])
+
+
+def test_deepseek_layout_with_mtp_round_trip(tmp_path):
+    """DeepSeek-V3 names (embed_tokens, self_attn.o_proj, e_score_correction_bias, shared_head.norm) both ways.
+
+    The MTP layer's own copies of embed_tokens / shared_head.head duplicate the shared ones and are skipped.
+    """
+    hf = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
+          "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 2, "n_shared_experts": 2,
+          "n_routed_experts": 8, "routed_scaling_factor": 2.5, "kv_lora_rank": 16, "q_lora_rank": 12,
+          "qk_rope_head_dim": 8, "v_head_dim": 8, "qk_nope_head_dim": 8, "n_group": 2, "topk_group": 1,
+          "num_experts_per_tok": 2, "first_k_dense_replace": 1, "norm_topk_prob": True,
+          "max_position_embeddings": 64, "num_nextn_predict_layers": 1, "model_type": "deepseek_v3"}
+    cfg = hf_config.load_ling2_config(hf, hf_config.detect_layout(hf))
+    assert cfg.layer_types == ("mla",) * 3 and cfg.shared_experts * cfg.shared_expert_dim == 32
+    dup = {"model.layers.3.embed_tokens.weight": np.ones((64, 32), np.float32),
+           "model.layers.3.shared_head.head.weight": np.ones((64, 32), np.float32)}
+    ref = write_random_hf(tmp_path / "hf", cfg, layout="deepseek_v3", extra=dup)
+    assert "model.layers.3.shared_head.norm.weight" in ref and "model.layers.1.self_attn.o_proj.weight" in ref
+    assert "model.layers.2.mlp.gate.e_score_correction_bias" in ref
+    c2 = convert.convert_hf_to_ling2(tmp_path / "hf", tmp_path / "l2", progress=False)
+    assert c2.mtp_num_layers == 1 and c2.inhomogeneous_layer_cycle_interval == 1
+    convert.convert_ling2_to_hf(tmp_path / "l2", tmp_path / "hf2", layout="deepseek_v3", progress=False)
+    out = ShardedReader(tmp_path / "hf2")
+    assert sorted(out.names()) == sorted(set(ref) - set(dup))
+    assert all(np.array_equal(out.read(n), ref[n]) for n in out.names())
+    back = json.loads((tmp_path / "hf2" / "config.json").read_text())
+    assert back["model_type"] == "deepseek_v3" and back["n_shared_experts"] == 2 and back["n_routed_experts"] == 8
+    with pytest.raises(hf_config.HFConfigError, match="every layer must be MLA"):
+        hf_config.config_to_hf(load_config(model_name="ling2-tiny"), "deepseek_v3")
+
+
+def test_loading_with_another_config_lists_every_mismatch(tmp_path, hf_tiny, tiny):
+    hf_dir, _ = hf_tiny
+    convert.convert_hf_to_ling2(hf_dir, tmp_path / "l2", progress=False)
+    other = load_config(model_name="ling2-tiny", base_moe_mlp_dim=32)
+    with pytest.raises(convert.ConversionError) as e:
+        convert.load_state(tmp_path / "l2", other)
+    msg = str(e.value)
+    assert "decoder/layers/6/mlp/experts/down_proj: checkpoint (16, 64, 128) vs model (16, 32, 128)" in msg
+    assert "mtp/depths/0/layer/mlp/experts/up_proj: checkpoint (16, 128, 64) vs model (16, 128, 32)" in msg
+
+
+def test_malformed_safetensors_name_the_file(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ValueError, match="model.safetensors: malformed safetensors header"):
+        ShardedReader(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
+    with pytest.raises(ValueError, match="names shard gone.safetensors, which does not exist"):
+        ShardedReader(tmp_path)
+    with pytest.raises(ValueError, match="neither model.safetensors.index.json nor model.safetensors"):
+        ShardedReader(tmp_path / "hf_missing")
