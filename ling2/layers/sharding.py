@@ -4,7 +4,8 @@ Parameters carry logical names in their `out_sharding` metadata (e.g. ("embed", 
 "kv")); activations are constrained with `constrain(x, names)`. Outside `use_mesh`
 constraints are no-ops, so layers run unchanged on one device. A mesh axis is used at
 most once per array and only on a dim it divides; otherwise that dim is replicated
-(a layout choice, never a change in the numbers).
+(a layout choice, never a change in the numbers). `create_sharded` builds a module with
+its Variables born sharded.
 """
 
 import contextlib
@@ -98,3 +99,13 @@ def state_shardings(state, mesh: Mesh, rules):
         return NamedSharding(mesh, logical_to_spec(tuple(names), v.shape, rules, mesh))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def create_sharded(build, mesh: Mesh, rules):
+    """Builds the module `build()` with every Variable created directly in its logical sharding
+    (the full model never sits on one device). Returns the module."""
+    gdef, abstract = nnx.split(nnx.eval_shape(build))
+    shardings = state_shardings(abstract, mesh, rules)
+    init = jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings)
+    with use_mesh(mesh, rules):
+        return nnx.merge(gdef, init())

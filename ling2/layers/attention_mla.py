@@ -1,0 +1,179 @@
+"""Multi-head latent attention (DeepSeek-V3 style), the full-attention layer of Ling2.
+
+  q = W_qb RMSNorm(W_qa x)          (or q = W_q x when q_lora_rank == 0)   [B,T,H,nope+rope]
+  [c_kv | k_rope] = W_kva x          c_kv [B,T,kv_lora], k_rope [B,T,rope] shared by heads
+  [k_nope | v] = W_kvb RMSNorm(c_kv)                                      [B,T,H,nope+v]
+  o = softmax(q.k * scale + mask) v;  out = W_dense o                     [B,T,E]
+
+The rope part of q and k gets NeoX rotate-half RoPE; with `mla_interleaved_rope` its dims
+are first reordered (even, then odd), as the reference's interleaved weights expect. The
+mask is causal within the row AND equal segment id (packed documents never see each
+other). Backends (cfg.attention_kernel): "dot_product" (plain einsum, the reference),
+"cudnn" (jax.nn.dot_product_attention: cuDNN flash on GPU, XLA elsewhere), "flash"
+(Pallas splash attention on TPU; interpret mode elsewhere, for tests only; decode with a
+cache uses the plain path). Decode keeps a latent KV cache: normed c_kv and rotated k_rope
+per position; writing past its end turns the output into NaN rather than wrong numbers.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ling2.layers import norms, rope, yarn
+from ling2.layers.sharding import constrain
+
+# The reference's q_a_layernorm / kv_a_layernorm use eps 1e-6 whatever the config says.
+LORA_NORM_EPS = 1e-6
+NEG_INF = -0.7 * float(np.finfo(np.float32).max)
+
+
+def deinterleave(x):
+    """Reorders the last dim as (even indices, then odd): the reference's interleaved rope layout."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def attention_mask(q_segment_BT, kv_segment_BS, q_index_BT, kv_index_BS):
+    """[B, T, S] bool: key s is visible to query t when kv_index <= q_index and segments match."""
+    causal = kv_index_BS[:, None, :] <= q_index_BT[:, :, None]
+    same_doc = kv_segment_BS[:, None, :] == q_segment_BT[:, :, None]
+    return causal & same_doc
+
+
+def dot_product_attention(q_BTHK, k_BSHK, v_BSHV, mask_BTS, scale):
+    """Plain softmax attention with fp32 logits and softmax. Returns [B, T, H, V] in q's dtype."""
+    logits = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask_BTS[:, None], logits, NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_BSHV.dtype)
+    return jnp.einsum("bhts,bshv->bthv", probs, v_BSHV, preferred_element_type=jnp.float32).astype(q_BTHK.dtype)
+
+
+def jax_attention(q_BTHK, k_BSHK, v_BSHV, mask_BTS, scale):
+    """jax.nn.dot_product_attention: cuDNN flash attention on GPU when it applies, XLA otherwise."""
+    K, V = q_BTHK.shape[-1], v_BSHV.shape[-1]
+    if V < K:  # cuDNN wants equal q/k and v head dims; zero columns of v change nothing.
+        v_BSHV = jnp.pad(v_BSHV, ((0, 0), (0, 0), (0, 0), (0, K - V)))
+    o = jax.nn.dot_product_attention(q_BTHK, k_BSHK, v_BSHV, mask=mask_BTS[:, None], scale=scale)
+    return o[..., :V]
+
+
+def splash_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, *, interpret=None, block=512):
+    """Pallas splash attention (causal + segment ids), one call per batch row. Needs T == S."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    B, T, H, _ = q_BTHK.shape
+    if k_BSHK.shape[1] != T:
+        raise ValueError(f"attention_kernel=flash: needs equal q and kv lengths, got {T} and {k_BSHK.shape[1]}")
+    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
+    b = min(block, T)
+    if T % b:
+        raise ValueError(f"attention_kernel=flash: sequence length {T} must be a multiple of the block {b}")
+    sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                          block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+    mask = sm.MultiHeadMask([sm.CausalMask((T, T)) for _ in range(H)])
+    kernel = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    q = (q_BTHK.astype(jnp.float32) * scale).astype(q_BTHK.dtype).swapaxes(1, 2)
+    k, v = k_BSHK.swapaxes(1, 2), v_BSHV.swapaxes(1, 2)
+    seg = segment_BT.astype(jnp.int32)
+    o = jax.vmap(lambda q1, k1, v1, s1: kernel(q1, k1, v1, segment_ids=sk.SegmentIds(q=s1, kv=s1)))(q, k, v, seg)
+    return o.swapaxes(1, 2).astype(q_BTHK.dtype)
+
+
+class MLA(nnx.Module):
+    """Multi-head latent attention. Call with x [B,T,E], positions/segment_ids [B,T]."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        E, H = cfg.emb_dim, cfg.num_query_heads
+        self.H, self.Dn, self.Dr, self.Dv = H, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.Rq, self.Rkv = cfg.q_lora_rank, cfg.kv_lora_rank
+        if self.Dr != cfg.rotary_dim:
+            raise ValueError(f"qk_rope_head_dim={self.Dr} must equal head_dim*partial_rotary_factor={cfg.rotary_dim}")
+        wdt = jnp.dtype(cfg.weight_dtype)
+        init = nnx.initializers.normal(cfg.init_std)
+
+        def param(shape, names):
+            return nnx.Param(init(rngs.params(), shape, wdt), out_sharding=names, eager_sharding=False)
+
+        Dqk = self.Dn + self.Dr
+        if self.Rq:
+            self.q_a = param((E, self.Rq), ("embed", "q_lora"))
+            self.q_a_norm = norms.RMSNorm(self.Rq, eps=LORA_NORM_EPS, param_dtype=wdt)
+            self.q_b = param((self.Rq, H, Dqk), ("q_lora", "heads", "kv"))
+        else:
+            self.q = param((E, H, Dqk), ("embed", "heads", "kv"))
+        self.kv_a = param((E, self.Rkv + self.Dr), ("embed", "kv_lora"))
+        self.kv_a_norm = norms.RMSNorm(self.Rkv, eps=LORA_NORM_EPS, param_dtype=wdt)
+        self.kv_b = param((self.Rkv, H, self.Dn + self.Dv), ("kv_lora", "heads", "kv"))
+        self.dense = param((H, self.Dv, E), ("heads", "kv", "embed"))
+        self.dtype, self.kernel, self.interleaved = cfg.dtype, cfg.attention_kernel, cfg.mla_interleaved_rope
+        self.inv_freq = tuple(float(f) for f in yarn.rope_inv_freq(cfg))
+        self.rope_scaling = yarn.rope_attention_scaling(cfg)
+        self.scale = yarn.mla_softmax_scale(cfg)
+
+    def init_cache(self, batch: int, max_len: int):
+        """Empty latent cache: normed c_kv [B,S,kv_lora], rotated k_rope [B,S,rope], next write index."""
+        dt = jnp.dtype(self.dtype)
+        return {"c_kv": jnp.zeros((batch, max_len, self.Rkv), dt), "k_rope": jnp.zeros((batch, max_len, self.Dr), dt),
+                "index": jnp.zeros((), jnp.int32)}
+
+    def _w(self, p):
+        return p[...].astype(jnp.dtype(self.dtype))
+
+    def __call__(self, x_BTE, positions_BT, segment_ids_BT=None, cache=None):
+        """Returns out [B,T,E] (and the updated cache when one is given)."""
+        B, T, _ = x_BTE.shape
+        x = x_BTE.astype(jnp.dtype(self.dtype))
+        if self.Rq:
+            q_a = self.q_a_norm(jnp.einsum("bte,er->btr", x, self._w(self.q_a)))
+            q_BTHK = jnp.einsum("btr,rhk->bthk", q_a, self._w(self.q_b))
+        else:
+            q_BTHK = jnp.einsum("bte,ehk->bthk", x, self._w(self.q))
+        q_BTHK = constrain(q_BTHK, ("activation_batch", "activation_length", "activation_heads", None))
+        kv_a = jnp.einsum("bte,er->btr", x, self._w(self.kv_a))
+        c_kv = self.kv_a_norm(kv_a[..., :self.Rkv])
+        q_rope, k_rope = q_BTHK[..., self.Dn:], kv_a[..., None, self.Rkv:]
+        if self.interleaved:
+            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
+        rot = lambda t: rope.apply_rotary(t, positions_BT, self.Dr, inv_freq=self.inv_freq, scaling=self.rope_scaling)
+        q_rope, k_rope = rot(q_rope), rot(k_rope)[:, :, 0]
+        q_BTHK = jnp.concatenate([q_BTHK[..., :self.Dn], q_rope], axis=-1)
+
+        if segment_ids_BT is None:
+            segment_ids_BT = jnp.ones((B, T), jnp.int32)
+        q_index = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        q_segment = kv_segment = segment_ids_BT
+        kv_index = q_index
+        if cache is not None:  # one document per row; unwritten slots lie in every query's future
+            start = cache["index"]
+            put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), start, 1)
+            cache = {"c_kv": put(cache["c_kv"], c_kv), "k_rope": put(cache["k_rope"], k_rope), "index": start + T}
+            c_kv, k_rope = cache["c_kv"].astype(x.dtype), cache["k_rope"].astype(x.dtype)
+            S = c_kv.shape[1]
+            kv_index = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+            q_index = q_index + start
+            q_segment, kv_segment = jnp.ones((B, T), jnp.int32), jnp.ones((B, S), jnp.int32)
+
+        kv = jnp.einsum("bsr,rhk->bshk", c_kv, self._w(self.kv_b))
+        k_nope, v_BSHV = kv[..., :self.Dn], kv[..., self.Dn:]
+        k_BSHK = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], (*k_nope.shape[:3], self.Dr))], axis=-1)
+        k_BSHK = constrain(k_BSHK, ("activation_batch", "activation_length", "activation_heads", None))
+        v_BSHV = constrain(v_BSHV, ("activation_batch", "activation_length", "activation_heads", None))
+
+        kernel = self.kernel
+        if kernel == "flash" and cache is None:
+            o_BTHV = splash_attention(q_BTHK, k_BSHK, v_BSHV, q_segment, self.scale)
+        else:
+            mask = attention_mask(q_segment, kv_segment, q_index, kv_index)
+            if kernel == "cudnn":
+                o_BTHV = jax_attention(q_BTHK, k_BSHK, v_BSHV, mask, self.scale)
+            elif kernel in ("dot_product", "flash"):
+                o_BTHV = dot_product_attention(q_BTHK, k_BSHK, v_BSHV, mask, self.scale)
+            else:
+                raise ValueError(f"attention_kernel: unknown {kernel!r}")
+        o_BTHV = constrain(o_BTHV, ("activation_batch", "activation_length", "activation_heads", None))
+        out = jnp.einsum("bthv,hve->bte", o_BTHV, self._w(self.dense))
+        if cache is not None:  # dynamic_update_slice would clamp an overflowing write silently
+            out = jnp.where(cache["index"] <= cache["c_kv"].shape[1], out, jnp.nan)
+        out = constrain(out, ("activation_batch", "activation_length", "activation_embed"))
+        return out if cache is None else (out, cache)

@@ -1,0 +1,45 @@
+"""Token embedding [V, E] and the output head [E, V] (untied in Ling2; `attend` ties them).
+
+HF names: model.word_embeddings.weight [V, E] (same layout as `embedding`) and
+lm_head.weight [V, E] (the transpose of `LMHead.kernel`).
+"""
+
+import jax.numpy as jnp
+from flax import nnx
+
+from ling2.layers.sharding import constrain
+
+
+class Embed(nnx.Module):
+    """Looks up token ids [B, T] -> [B, T, E] in cfg.dtype."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(cfg.init_std)
+        self.embedding = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.emb_dim), jnp.dtype(cfg.weight_dtype)),
+                                   out_sharding=("vocab", "embed"), eager_sharding=False)
+        self.dtype = cfg.dtype
+
+    def __call__(self, ids_BT):
+        x_BTE = jnp.take(self.embedding[...], ids_BT, axis=0).astype(jnp.dtype(self.dtype))
+        return constrain(x_BTE, ("activation_batch", "activation_length", "activation_embed"))
+
+    def attend(self, x_BTE, out_dtype):
+        """Tied output logits x @ embedding^T [B, T, V]."""
+        w = self.embedding[...].astype(jnp.dtype(self.dtype))
+        return jnp.einsum("bte,ve->btv", x_BTE, w, preferred_element_type=out_dtype)
+
+
+class LMHead(nnx.Module):
+    """Untied output projection [B, T, E] -> logits [B, T, V], fp32 when cfg.float32_logits."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(cfg.init_std)
+        self.kernel = nnx.Param(init(rngs.params(), (cfg.emb_dim, cfg.vocab_size), jnp.dtype(cfg.weight_dtype)),
+                                out_sharding=("embed", "vocab"), eager_sharding=False)
+        self.dtype = cfg.dtype
+        self.out_dtype = "float32" if cfg.float32_logits else cfg.dtype
+
+    def __call__(self, x_BTE):
+        w = self.kernel[...].astype(jnp.dtype(self.dtype))
+        logits = jnp.einsum("bte,ev->btv", x_BTE.astype(w.dtype), w, preferred_element_type=jnp.dtype(self.out_dtype))
+        return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))

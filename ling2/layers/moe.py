@@ -1,0 +1,102 @@
+"""Ling2 MoE block: y = sum_k w_k * expert_k(x) + shared_expert(x), plus losses and router stats.
+
+Routing (ling2.layers.moe_router): fp32 gate, sigmoid or softmax scores, a selection-only
+expert bias, group-limited top-k, weights from the unbiased scores.
+Experts (ling2.layers.moe_experts): dropless sort + grouped matmul (`sparse_matmul`), or
+the dense one-hot path with `capacity_factor`. Under a mesh whose `expert` axis is > 1
+(`jax.set_mesh`, e.g. ling2.layers.sharding.use_mesh) the dropless path runs expert
+parallel (ling2.layers.moe_ep).
+
+Everything the trainer needs comes back in `MoEAux`; nothing is sown or kept globally.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from ling2.layers import moe_ep, moe_experts, moe_router
+from ling2.layers.moe_experts import Mlp  # noqa: F401  (the dense MLP of the first layers)
+from ling2.layers.moe_router import RoutedBias, router_metrics, update_routed_bias  # noqa: F401
+
+F32 = jnp.float32
+
+
+@struct.dataclass
+class MoEAux:
+    """What one MoE call returns besides its output.
+
+    lb_loss, z_loss: already weighted (0 when their weight is 0); add both to the loss.
+    counts: assignments per expert [E] (int32) for loss-free balancing.
+    stats: additive router statistics. Combine every entry (and `counts`) by SUM over
+      micro-batches, then call `metrics()` / `router_metrics` once.
+    """
+
+    lb_loss: jax.Array
+    z_loss: jax.Array
+    counts: jax.Array
+    stats: dict
+
+    @property
+    def loss(self):
+        return self.lb_loss + self.z_loss
+
+    def metrics(self, k: int) -> dict:
+        return router_metrics(self.counts, self.stats, k)
+
+
+def bias_update(bias_E, counts_E, cfg):
+    """The once-per-optimizer-step expert bias update, with the config's rate and recentring."""
+    return update_routed_bias(bias_E, counts_E, cfg.routed_bias_update_rate, cfg.routed_bias_zero_mean_update)
+
+
+class MoE(nnx.Module):
+    """Routed + shared SwiGLU experts. x_BSD -> (y_BSD, MoEAux).
+
+    `gmm` picks the dropless grouped matmul: "ragged_dot", "tiled" (fast on CPU), or
+    None for the backend default.
+    """
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs, gmm: str | None = None):
+        self.cfg = cfg
+        self.gmm = gmm
+        self.gate = moe_router.Router(cfg, rngs=rngs)
+        self.experts = moe_experts.RoutedExperts(cfg, rngs=rngs)
+        width = cfg.shared_experts * cfg.shared_expert_dim
+        self.shared_experts = nnx.data(Mlp(cfg, width, rngs=rngs) if width else None)
+
+    def __call__(self, x_BSD, valid_BS=None):
+        cfg = self.cfg
+        B, S, D = x_BSD.shape
+        T, K, E = B * S, cfg.num_experts_per_tok, cfg.num_experts
+        dtype = jnp.dtype(cfg.dtype)
+        x_BSD = x_BSD.astype(dtype)
+        valid_T = None if valid_BS is None else valid_BS.reshape(T).astype(bool)
+
+        r = self.gate(x_BSD.reshape(T, D))
+        counts_E = moe_router.expert_counts(r.experts_TK, E, valid_T)
+        stats = moe_router.router_stat_sums(r, valid_T)
+        stats["dropped"] = jnp.zeros((), F32)
+        n_tok = jnp.maximum(stats["tokens"], 1)
+        z_loss = lb_loss = jnp.zeros((), F32)
+        if cfg.moe_z_loss_weight > 0:
+            stats["lse_sq_sum"] = moe_router.z_loss_sum(r.logits_TE, valid_T)
+            z_loss = cfg.moe_z_loss_weight * stats["lse_sq_sum"] / n_tok
+        if cfg.load_balance_loss_weight > 0:
+            lb_loss = cfg.load_balance_loss_weight * moe_router.load_balance_loss(r.scores_TE, counts_E, valid_T)
+
+        w = self.experts.weights(dtype)
+        gmm = self.gmm or moe_experts.default_gmm()
+        experts_BSK, weights_BSK = r.experts_TK.reshape(B, S, K), r.weights_TK.reshape(B, S, K)
+        mesh = jax.sharding.get_abstract_mesh()
+        if not cfg.sparse_matmul:
+            y_BSD, kept_BSK = moe_experts.dense_capacity(x_BSD, experts_BSK, weights_BSK, w, cfg.capacity_factor)
+            dropped_BSK = ~kept_BSK if valid_BS is None else ~kept_BSK & valid_BS.astype(bool)[..., None]
+            stats["dropped"] = dropped_BSK.astype(F32).sum()
+        elif moe_ep.expert_axis_size(mesh) > 1:
+            y_BSD = moe_ep.dropless_ep(x_BSD, experts_BSK, weights_BSK, w, mesh=mesh, rules=cfg.logical_axis_rules,
+                                       gmm=gmm)
+        else:
+            y_BSD = moe_experts.dropless(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w, gmm).reshape(B, S, D)
+        if self.shared_experts is not None:
+            y_BSD = y_BSD + self.shared_experts(x_BSD)
+        return y_BSD, MoEAux(lb_loss=lb_loss, z_loss=z_loss, counts=counts_E, stats=stats)

@@ -1,0 +1,167 @@
+"""Grouped SwiGLU over rows sorted by expert (the dropless MoE's matmuls), and a row gather.
+
+Shapes: M rows sorted by expert, group_sizes [E] (rows past their sum give zeros), D model
+dim, F expert width.
+  "ragged_dot": `jax.lax.ragged_dot`, which GPU/TPU lower to grouped kernels.
+  "tiled": XLA:CPU lowers ragged_dot to a dense [E, M, D] masked product (E times the work),
+  so on CPU a loop walks expert-pure tiles of the sorted rows, one [tile, D] x [D, 2F] and one
+  [tile, F] x [F, D] matmul each; only tiles in use run, and a hand-written backward keeps
+  the loop out of reverse-mode autodiff.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def default_gmm() -> str:
+    return "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+
+
+def ffn_ragged_dot(x_MD, group_sizes_E, wg, wu, wd):
+    """Grouped SwiGLU on rows sorted by expert; rows past sum(group_sizes) give zeros."""
+    h = jax.nn.silu(jax.lax.ragged_dot(x_MD, wg, group_sizes_E)) * jax.lax.ragged_dot(x_MD, wu, group_sizes_E)
+    return jax.lax.ragged_dot(h, wd, group_sizes_E)
+
+
+def _tiles(gs_E, tile: int, M: int):
+    """Tile i covers sorted rows [row0, row0 + nrows) of expert e; n tiles are in use.
+
+    Tiles run in expert order, so a tile's spill past its group is rewritten by later tiles."""
+    E = gs_E.shape[0]
+    tiles_E = (gs_E + tile - 1) // tile
+    end_E = jnp.cumsum(tiles_E)
+    i = jnp.arange(-(-M // tile) + E)
+    e_N = jnp.minimum(jnp.searchsorted(end_E, i, side="right"), E - 1)
+    j_N = i - (end_E - tiles_E)[e_N]
+    row0_N = (jnp.cumsum(gs_E) - gs_E)[e_N] + j_N * tile
+    return e_N, row0_N, jnp.clip(gs_E[e_N] - j_N * tile, 0, tile), end_E[-1]
+
+
+def _zeros_like(x, shape, dtype=None):
+    """Zeros that vary over the same shard_map axes as x (loop carries must match the body's output)."""
+    return jax.lax.full_like(x, 0, dtype, shape)
+
+
+def _varying(x) -> frozenset:
+    """Manual (shard_map) axes x varies over; jax 0.10 keeps them in aval.mat, older ones in aval.vma."""
+    aval = jax.typeof(x)
+    return frozenset(aval.mat.varying if hasattr(aval, "mat") else getattr(aval, "vma", ()))
+
+
+def _sum_to(g, w):
+    """Gradient g of w in w's dtype, summed over shard_map axes where g varies but w does not."""
+    extra = tuple(sorted(_varying(g) - _varying(w)))
+    return (jax.lax.psum(g, extra) if extra else g).astype(w.dtype)
+
+
+def _upto(buf, n):
+    """Zero rows >= n (the last tile's spill past the final group)."""
+    return jnp.where((jnp.arange(buf.shape[0]) < n)[:, None], buf, 0)
+
+
+def _tiled_fwd(x_MD, gs_E, wgu, wd, tile):
+    (M, D), F = x_MD.shape, wd.shape[1]
+    e_N, row0_N, nrows_N, n = _tiles(gs_E, tile, M)
+    xp = jnp.pad(x_MD, ((0, tile), (0, 0)))
+
+    def body(i, carry):
+        y, gu = carry
+        e, r0 = e_N[i], row0_N[i]
+        gu_t = jax.lax.dynamic_slice_in_dim(xp, r0, tile) @ wgu[e]
+        y_t = jax.nn.silu(gu_t[:, :F]) * gu_t[:, F:] @ wd[e]
+        # Rows past this expert's group are overwritten later by the experts they belong to.
+        return (jax.lax.dynamic_update_slice_in_dim(y, y_t, r0, 0),
+                jax.lax.dynamic_update_slice_in_dim(gu, gu_t, r0, 0))
+
+    init = (_zeros_like(x_MD, (M + tile, D)), _zeros_like(x_MD, (M + tile, 2 * F)))
+    y, gu = jax.lax.fori_loop(0, n, body, init)
+    total = gs_E.sum()
+    return _upto(y, total)[:M], gu
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _tiled_swiglu(x_MD, gs_E, wgu, wd, tile):
+    return _tiled_fwd(x_MD, gs_E, wgu, wd, tile)[0]
+
+
+def _tiled_swiglu_fwd(x_MD, gs_E, wgu, wd, tile):
+    y, gu = _tiled_fwd(x_MD, gs_E, wgu, wd, tile)
+    return y, (x_MD, gs_E, wgu, wd, gu)
+
+
+def _dot(a, b, ca: int, cb: int):
+    """a . b contracting a's dim ca with b's dim cb, without materialised transposes."""
+    return jax.lax.dot_general(a, b, (((ca,), (cb,)), ((), ())))
+
+
+def _tiled_swiglu_bwd(tile, res, dy_MD):
+    x_MD, gs_E, wgu, wd, gu = res
+    M, F = x_MD.shape[0], wd.shape[1]
+    e_N, row0_N, nrows_N, n = _tiles(gs_E, tile, M)
+    xp, dyp = jnp.pad(x_MD, ((0, tile), (0, 0))), jnp.pad(dy_MD, ((0, tile), (0, 0)))
+
+    def body(i, carry):
+        dx, dwgu, dwd = carry
+        e, r0 = e_N[i], row0_N[i]
+        mask = (jnp.arange(tile) < nrows_N[i])[:, None]
+        x_t = jax.lax.dynamic_slice_in_dim(xp, r0, tile)
+        dy_t = jnp.where(mask, jax.lax.dynamic_slice_in_dim(dyp, r0, tile), 0)
+        g, u = jnp.split(jax.lax.dynamic_slice_in_dim(gu, r0, tile), 2, axis=1)
+        sg = jax.nn.sigmoid(g)
+        dh = _dot(dy_t, wd[e], 1, 1)
+        dwd = dwd.at[e].add(_dot(g * sg * u, dy_t, 0, 0))
+        dgu = jnp.concatenate([dh * u * sg * (1 + g * (1 - sg)), dh * g * sg], axis=1)
+        dwgu = dwgu.at[e].add(_dot(x_t, dgu, 0, 0))
+        return jax.lax.dynamic_update_slice_in_dim(dx, _dot(dgu, wgu[e], 1, 1), r0, 0), dwgu, dwd
+
+    init = (_zeros_like(x_MD, (M + tile, x_MD.shape[1])), _zeros_like(x_MD, wgu.shape, F32),
+            _zeros_like(x_MD, wd.shape, F32))
+    dx, dwgu, dwd = jax.lax.fori_loop(0, n, body, init)
+    return _upto(dx, gs_E.sum())[:M], None, _sum_to(dwgu, wgu), _sum_to(dwd, wd)
+
+
+_tiled_swiglu.defvjp(_tiled_swiglu_fwd, _tiled_swiglu_bwd)
+
+
+def ffn_tiled(x_MD, group_sizes_E, wg, wu, wd, tile: int = 128):
+    """Same contract as `ffn_ragged_dot`: a loop over expert-pure tiles of sorted rows, one
+    [tile, D] x [D, 2F] and one [tile, F] x [F, D] matmul each (a hand-written backward keeps
+    the loop out of reverse-mode autodiff). Only tiles in use run: waste < one tile per expert.
+    Computes in fp32: XLA:CPU's small bf16 matmuls are several times slower than fp32 ones."""
+    tile = max(8, min(tile, 1 << max(0, x_MD.shape[0] // group_sizes_E.shape[0]).bit_length()))
+    wgu = jnp.concatenate([wg, wu], axis=-1).astype(F32)
+    y = _tiled_swiglu(x_MD.astype(F32), group_sizes_E.astype(jnp.int32), wgu, wd.astype(F32), tile)
+    return y.astype(x_MD.dtype)
+
+
+def grouped_ffn(x_MD, group_sizes_E, w, gmm: str):
+    if gmm == "ragged_dot":
+        return ffn_ragged_dot(x_MD, group_sizes_E, *w)
+    if gmm == "tiled":
+        return ffn_tiled(x_MD, group_sizes_E, *w)
+    raise ValueError(f"gmm: unknown grouped matmul {gmm!r} (ragged_dot or tiled)")
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gather_rows(x_RD, idx_M, inv_R, k: int):
+    """x_RD[idx_M] where each row of x appears exactly k times (inv_R lists them, k per row).
+
+    The backward is a gather and a sum over the k copies instead of XLA's scatter-add.
+    """
+    return x_RD[idx_M]
+
+
+def _gather_rows_fwd(x_RD, idx_M, inv_R, k):
+    return x_RD[idx_M], (idx_M, inv_R)
+
+
+def _gather_rows_bwd(k, res, dy_MD):
+    idx_M, inv_R = res
+    return dy_MD[inv_R].reshape(-1, k, dy_MD.shape[-1]).sum(1), None, None
+
+
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)

@@ -1,0 +1,195 @@
+"""Multi-token prediction (next-n layers, DeepSeek-V3 / BailingMoeV2_5 style), for training.
+
+Depth k = 1..K predicts the token k+1 ahead of each position:
+
+  h_0 = main hidden [B,T,E] (after the final norm; before it with cfg.mtp_hidden_pre_norm)
+  x_k = W_eh [RMSNorm_e(embed(ids shifted left by k)) ; RMSNorm_h(h_{k-1})]     [B,T,2E] -> [B,T,E]
+  y_k = DecoderLayer(MLA + MoE, layer index L + k - 1)(x_k)
+  h_k = RMSNorm_final(y_k)            (h_k = y_k is passed on instead with mtp_hidden_pre_norm)
+  logits_k = shared lm_head(RMSNorm_final(y_k)),  target = targets shifted left by k
+
+Shifts stay inside each packed document (`roll_and_mask_by_segment`): a position whose
+shifted token lies in another document or past the row end is fed `fill` and dropped from
+the loss. Each depth returns sums (CE, token count, correct argmax) so the trainer can
+normalise per depth under gradient accumulation; `mtp_loss` and `acceptance_rate` turn
+the sums into the loss and the speculative-decoding metric.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ling2.layers import norms
+from ling2.layers.decoder import DecoderLayer, DecoderOutput, build_decoder, remat
+
+
+def roll_and_mask_by_segment(x_BT, segment_ids_BT, k: int, fill=0):
+    """Shifts x left by k inside each document. Returns (rolled [B,T], valid [B,T] bool).
+
+    A document is a maximal run of equal segment ids (a repeated id after a different one is
+    a new document). valid[b,t] is True iff t+k < T and t+k lies in t's document; elsewhere
+    rolled holds `fill`, never a token of another document.
+    """
+    if x_BT.ndim != 2 or x_BT.shape != segment_ids_BT.shape:
+        raise ValueError(f"roll_and_mask_by_segment: x {x_BT.shape} and segment_ids {segment_ids_BT.shape} "
+                         "must both be [B, T]")
+    if k < 0:
+        raise ValueError(f"roll_and_mask_by_segment: k must be >= 0, got {k}")
+    B, T = x_BT.shape
+    seg = jnp.asarray(segment_ids_BT)
+    starts = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), (seg[:, 1:] != seg[:, :-1]).astype(jnp.int32)], axis=1)
+    doc_BT = jnp.cumsum(starts, axis=1)
+
+    def shift(a, v):
+        return jnp.concatenate([a[:, k:], jnp.full((B, min(k, T)), v, a.dtype)], axis=1)
+
+    valid_BT = shift(doc_BT, -1) == doc_BT
+    rolled_BT = jnp.where(valid_BT, shift(x_BT, fill), jnp.asarray(fill, x_BT.dtype))
+    return rolled_BT, valid_BT
+
+
+def depth_loss_weights(loss_weights_BT, segment_ids_BT, k: int):
+    """Depth k's loss weights [B,T] fp32: the main weights shifted by k, 0 where the shift leaves the document."""
+    w_k, ok = roll_and_mask_by_segment(loss_weights_BT, segment_ids_BT, k)
+    return jnp.where(ok, w_k, 0).astype(jnp.float32)
+
+
+def depth_token_counts(loss_weights_BT, segment_ids_BT, num_depths: int):
+    """[K] the per-depth token counts MTP will report as `ce_count`, without running the model
+    (e.g. to normalise by the whole step's tokens under calculate_per_token_loss)."""
+    return jnp.stack([jnp.sum(depth_loss_weights(loss_weights_BT, segment_ids_BT, k))
+                      for k in range(1, num_depths + 1)])
+
+
+def mtp_loss(ce_sum_K, ce_count_K, scaling):
+    """scaling * mean over depths of each depth's token-averaged CE (a depth with no tokens adds 0)."""
+    return scaling * jnp.mean(ce_sum_K / jnp.maximum(ce_count_K, 1))
+
+
+def acceptance_rate(correct_K, count_K):
+    """Per depth [K]: fraction of counted positions whose argmax is the true token k+1 ahead."""
+    return correct_K / jnp.maximum(count_K, 1)
+
+
+class MTPOutput(NamedTuple):
+    ce_sum: jax.Array  # [K] fp32, sum over positions of loss_weight * CE
+    ce_count: jax.Array  # [K] fp32, sum of the depth's loss weights
+    correct: jax.Array  # [K] fp32, loss-weighted count of argmax == target
+    moe_aux: dict  # {global layer index: MoEAux}
+    logits: tuple | None = None  # K arrays [B,T,V], only with return_logits
+
+
+class MTPDepth(nnx.Module):
+    """One next-n module: enorm, hnorm, eh_proj [2E, E], a MLA + MoE DecoderLayer, final norm."""
+
+    def __init__(self, cfg, layer_idx: int, *, rngs: nnx.Rngs):
+        E, eps, wdt = cfg.emb_dim, cfg.normalization_layer_epsilon, jnp.dtype(cfg.weight_dtype)
+        self.enorm = norms.RMSNorm(E, eps=eps, param_dtype=wdt)
+        self.hnorm = norms.RMSNorm(E, eps=eps, param_dtype=wdt)
+        init = nnx.initializers.normal(cfg.init_std)
+        self.eh_proj = nnx.Param(init(rngs.params(), (2 * E, E), wdt), out_sharding=("embed", None),
+                                 eager_sharding=False)
+        self.layer = DecoderLayer(cfg, layer_idx, "mla", "moe", rngs=rngs)
+        self.final_norm = norms.RMSNorm(E, eps=eps, param_dtype=wdt)
+        self.dtype = cfg.dtype
+
+    def __call__(self, emb_BTE, h_BTE, positions_BT, segment_ids_BT, valid_BT):
+        """Returns (block output before the final norm, after it, MoEAux), all [B,T,E] but the aux."""
+        x = jnp.concatenate([self.enorm(emb_BTE), self.hnorm(h_BTE.astype(emb_BTE.dtype))], axis=-1)
+        w = self.eh_proj[...].astype(jnp.dtype(self.dtype))
+        x = jnp.einsum("btf,fe->bte", x.astype(w.dtype), w)
+        y, aux = self.layer(x, positions_BT, segment_ids_BT, valid_BT)
+        return y, self.final_norm(y), aux
+
+
+class MTP(nnx.Module):
+    """cfg.mtp_num_layers next-n modules; the embedding and lm_head are the main model's."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        if cfg.mtp_num_layers < 1:
+            raise ValueError("mtp_num_layers: MTP needs >= 1 layer (use build_mtp, which returns None for 0)")
+        L = cfg.num_decoder_layers
+        self.first_layer_idx = L
+        self.depths = nnx.List([MTPDepth(cfg, L + k, rngs=rngs) for k in range(cfg.mtp_num_layers)])
+        self.pre_norm = cfg.mtp_hidden_pre_norm
+        self.remat_policy = cfg.remat_policy
+        self.logits_dtype = "float32" if cfg.float32_logits else cfg.dtype
+
+    def __call__(self, embed, lm_head, hidden, ids_BT, targets_BT, loss_weights_BT, positions_BT, segment_ids_BT,
+                 valid_BT=None, return_logits: bool = False) -> MTPOutput:
+        """Runs every depth; returns per-depth loss sums.
+
+        hidden: the main model's DecoderOutput (its `hidden`, or `hidden_pre_norm` with
+          cfg.mtp_hidden_pre_norm, is used), or that [B,T,E] array chosen by the caller.
+        embed, lm_head: the main model's Embed and LMHead (lm_head None: tied, embed.attend).
+        ids, targets, loss_weights, positions, segment_ids: the main model's [B,T] inputs
+          (targets[t] is the token after ids[t]); valid_BT: optional MoE statistics mask.
+        """
+        if isinstance(hidden, DecoderOutput):
+            hidden = hidden.hidden_pre_norm if self.pre_norm else hidden.hidden
+        if hidden.shape[:2] != ids_BT.shape:
+            raise ValueError(f"MTP: hidden {hidden.shape} does not match ids {ids_BT.shape}")
+        h = hidden
+        sums, counts, corrects, all_logits, moe_aux = [], [], [], [], {}
+        for k, depth in enumerate(self.depths, start=1):
+            ids_k, ok = roll_and_mask_by_segment(ids_BT, segment_ids_BT, k)
+            targets_k, _ = roll_and_mask_by_segment(targets_BT, segment_ids_BT, k)
+            w_k = depth_loss_weights(loss_weights_BT, segment_ids_BT, k)
+            moe_valid = ok if valid_BT is None else ok & valid_BT.astype(bool)
+
+            gdef, state = nnx.split(depth)
+
+            def f(state, emb, h, gdef=gdef):
+                return nnx.merge(gdef, state)(emb, h, positions_BT, segment_ids_BT, moe_valid)
+
+            y, y_normed, moe_aux[self.first_layer_idx + k - 1] = remat(f, self.remat_policy)(state, embed(ids_k), h)
+            h = y if self.pre_norm else y_normed
+            if lm_head is None:
+                logits = embed.attend(y_normed, jnp.dtype(self.logits_dtype))
+            else:
+                logits = lm_head(y_normed)
+            logits = logits.astype(jnp.float32)
+            ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets_k[..., None], -1)[..., 0]
+            hit = (jnp.argmax(logits, axis=-1) == targets_k).astype(jnp.float32)
+            sums.append(jnp.sum(ce * w_k))
+            counts.append(jnp.sum(w_k))
+            corrects.append(jnp.sum(hit * w_k))
+            if return_logits:
+                all_logits.append(logits)
+        return MTPOutput(ce_sum=jnp.stack(sums), ce_count=jnp.stack(counts), correct=jnp.stack(corrects),
+                         moe_aux=moe_aux, logits=tuple(all_logits) if return_logits else None)
+
+
+def build_mtp(cfg, *, rngs: nnx.Rngs):
+    """MTP(cfg), or None when cfg.mtp_num_layers == 0 (nothing built)."""
+    return MTP(cfg, rngs=rngs) if cfg.mtp_num_layers else None
+
+
+class DecoderWithMTP(nnx.Module):
+    """The decoder plus its MTP modules (built after it, so the decoder's weights do not depend on MTP).
+
+    Returns (DecoderOutput, MTPOutput or None); with mtp_num_layers == 0 it is the plain decoder.
+    """
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.decoder = build_decoder(cfg, rngs=rngs)
+        self.mtp = build_mtp(cfg, rngs=rngs)
+
+    def __call__(self, ids_BT, targets_BT=None, loss_weights_BT=None, positions_BT=None, segment_ids_BT=None,
+                 valid_BT=None, return_logits: bool = False):
+        out = self.decoder(ids_BT, positions_BT, segment_ids_BT, valid_BT)
+        if self.mtp is None:
+            return out, None
+        if targets_BT is None or loss_weights_BT is None:
+            raise ValueError("DecoderWithMTP: MTP needs targets_BT and loss_weights_BT")
+        B, T = ids_BT.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if segment_ids_BT is None:
+            segment_ids_BT = jnp.ones((B, T), jnp.int32)
+        d = self.decoder
+        mtp = self.mtp(d.embed, d.lm_head, out, ids_BT, targets_BT, loss_weights_BT, positions_BT, segment_ids_BT,
+                       valid_BT, return_logits)
+        return out, mtp
