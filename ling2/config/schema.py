@@ -88,7 +88,9 @@ class MoE(_Group):
     num_experts_per_tok: PositiveInt
     base_moe_mlp_dim: PositiveInt = Field(description="Width of each routed SwiGLU expert.")
     capacity_factor: float = Field(description="<= 0: dropless. > 0: dense path drops tokens past capacity.")
-    sparse_matmul: bool = Field(description="True: sort + ragged_dot (dropless). False: dense einsum with capacity.")
+    sparse_matmul: bool = Field(description="True: sort + grouped matmul (dropless). False: dense einsum with capacity.")
+    moe_gmm_backend: T.GmmBackend = Field(
+        description="Dropless grouped matmul: 'ragged_dot', 'tiled' (fast on CPU), or 'auto' (tiled on CPU only).")
     load_balance_loss_weight: NonNegativeFloat
     moe_z_loss_weight: NonNegativeFloat = Field(description="ST-MoE router z-loss weight; 0 skips the computation.")
 

@@ -58,7 +58,7 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, gmm: str | None = None):
         self.cfg = cfg
-        self.gmm = gmm
+        self.gmm = gmm or (None if cfg.moe_gmm_backend == "auto" else cfg.moe_gmm_backend)
         self.gate = moe_router.Router(cfg, rngs=rngs)
         self.experts = moe_experts.RoutedExperts(cfg, rngs=rngs)
         width = cfg.shared_experts * cfg.shared_expert_dim
