@@ -238,8 +238,8 @@ class _DictReader:
     def shape(self, name):
         return tuple(self.tensors[name].shape)
 
-    def read(self, name):
-        return self.tensors[name]
+    def read(self, name, copy=True):
+        return np.array(self.tensors[name]) if copy else self.tensors[name]
 
     def add(self, name, a):
         self.tensors[name] = a

@@ -247,3 +247,27 @@ def test_malformed_safetensors_name_the_file(tmp_path):
         ShardedReader(tmp_path)
     with pytest.raises(ValueError, match="neither model.safetensors.index.json nor model.safetensors"):
         ShardedReader(tmp_path / "hf_missing")
+
+
+def test_planned_writer_blocks_views_and_casts(tmp_path):
+    """Blocks written at their offsets, in any order, from transposed views and with a cast; read back alone."""
+    from ling2.convert.safetensors_io import CHUNK, PlannedWriter
+
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal((3, 600, CHUNK // 4 // 300)).astype(np.float32)  # each block spans several chunks
+    w = PlannedWriter(tmp_path, [("a", (2, 3), np.float32), ("big", big.shape, "bfloat16")], shard_bytes=1)
+    for g in (2, 0, 1):
+        w.add("big", big[g].T.copy().T, (g,))  # a non-contiguous view, cast fp32 -> bf16 on the way
+    with pytest.raises(ValueError, match="12582000 of 12582024 planned bytes written"):
+        w.close()
+    with pytest.raises(ValueError, match=r"tensor a\[\] is \(3, 2\) float32, planned \(2, 3\) float32"):
+        w.add("a", np.zeros((3, 2), np.float32))
+    w.add("a", np.arange(6, dtype=np.float32).reshape(2, 3))
+    index = w.close()
+    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
+                                                         "model-00002-of-00002.safetensors"]
+    got = safetensors.numpy.load_file(tmp_path / index["weight_map"]["big"])["big"]  # the reference reader
+    np.testing.assert_array_equal(got, big.astype(jax.numpy.bfloat16))
+    r = ShardedReader(tmp_path)
+    np.testing.assert_array_equal(r.read("big", (1,), copy=False), big[1].astype(jax.numpy.bfloat16))
+    np.testing.assert_array_equal(r.read("a", (1,)), [3, 4, 5])

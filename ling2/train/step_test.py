@@ -155,3 +155,32 @@ def test_router_metrics_under_accumulation_equal_full_batch():
             for k in r1[layer]:
                 np.testing.assert_allclose(float(r4[layer][k]), float(r1[layer][k]), rtol=1e-4, atol=1e-6,
                                            err_msg=f"{layer}/{k}")
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_mtp_loss_under_accumulation_follows_main_loss_rule(per_token):
+    """With MTP on, GA=4 reproduces the full batch (per-token mode) or the mean of micro means."""
+    M = 4
+    full = batch(1, 8, seed=11)
+    full["segment_ids"] = full["segment_ids"].at[0, :, 9:].set(2)  # two documents per row
+    kw = dict(mtp_num_layers=1, calculate_per_token_loss=per_token)
+    cfg, gd, s1, f1 = make(gradient_accumulation_steps=1, **kw)
+    _, _, s4, f4 = make(gradient_accumulation_steps=M, **kw)
+    _, m1 = f1(s1, full)
+    _, m4 = f4(s4, reshape(full, M))
+    if per_token:
+        np.testing.assert_allclose(float(m4["mtp_loss"]["depth_1"]), float(m1["mtp_loss"]["depth_1"]), rtol=1e-5)
+        np.testing.assert_allclose(float(m4["grad_norm"]), float(m1["grad_norm"]), rtol=2e-4)
+    else:
+        from ling2.layers.mtp import mtp_loss
+        model = nnx.merge(gd, s4.params, s4.rest)
+        micro = reshape(full, M)
+        means = []
+        for i in range(M):
+            mb = jax.tree.map(lambda x: x[i], micro)
+            out = model.decoder(mb["inputs"], mb["positions"], mb["segment_ids"])
+            mo = model.mtp(model.decoder.embed, model.decoder.lm_head, out, mb["inputs"], mb["targets"],
+                           mb["loss_weights"], mb["positions"], mb["segment_ids"])
+            means.append(float(mtp_loss(mo.ce_sum, mo.ce_count, 1.0)))
+        np.testing.assert_allclose(float(m4["mtp_loss"]["depth_1"]), np.mean(means), rtol=1e-5)
+    assert 0 <= float(m4["mtp_acceptance"]["depth_1"]) <= 1
