@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ling2.data.gpt_index import SPLITS, GPTDataset, split_matrix
+from ling2.data.gpt_index import SPLITS, GPTDataset, megatron_descriptions, split_matrix
 from ling2.data.indexed import IndexedDataset
 
 SURPLUS = 0.005
@@ -113,21 +113,14 @@ def build_exhaustive_blending_indices(sizes: Sequence[int]):
 
 
 def _find_megatron_blend(index_dir, prefixes, split, size) -> Optional[str]:
-    if not index_dir or not os.path.isdir(index_dir):
-        return None
-    suffix = f"-BlendedDataset-{split}-description.txt"
     names = [os.path.basename(p) for p in prefixes]
-    for fn in sorted(os.listdir(index_dir)):
-        if not fn.endswith(suffix):
-            continue
+    for base, desc in megatron_descriptions(index_dir, "BlendedDataset", split):
         try:
-            with open(os.path.join(index_dir, fn)) as f:
-                desc = json.load(f)
             paths = [os.path.basename(str(d["dataset_path"])) for d in desc["datasets"]]
-        except (OSError, ValueError, KeyError, TypeError):
+        except (KeyError, TypeError):
             continue
         if paths == names and desc.get("size") == size:
-            return os.path.join(index_dir, fn[: -len("-description.txt")])
+            return base
     return None
 
 

@@ -184,16 +184,14 @@ def _save(path: str, arr: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def _find_megatron_indices(index_dir: str, dataset_path: str, split: str, num_samples,
-                           seq_length: int, seed: int) -> Optional[str]:
-    """Base path `{dir}/{md5}-GPTDataset-{split}` of Megatron's prebuilt indices for this dataset.
+def megatron_descriptions(index_dir: Optional[str], kind: str, split: str):
+    """(base path, parsed description.txt) of each readable `{md5}-{kind}-{split}` index set in a directory.
 
-    Megatron hashes its tokenizer into the file name, so files are matched by the fields of
-    their `description.txt` instead.
+    Megatron hashes its tokenizer into the file name, so callers match on the description's fields.
     """
     if not index_dir or not os.path.isdir(index_dir):
-        return None
-    suffix = f"-GPTDataset-{split}-description.txt"
+        return
+    suffix = f"-{kind}-{split}-description.txt"
     for fn in sorted(os.listdir(index_dir)):
         if not fn.endswith(suffix):
             continue
@@ -202,11 +200,18 @@ def _find_megatron_indices(index_dir: str, dataset_path: str, split: str, num_sa
                 desc = json.load(f)
         except (OSError, ValueError):
             continue
+        yield os.path.join(index_dir, fn[: -len("-description.txt")]), desc
+
+
+def _find_megatron_indices(index_dir: str, dataset_path: str, split: str, num_samples,
+                           seq_length: int, seed: int) -> Optional[str]:
+    """Base path `{dir}/{md5}-GPTDataset-{split}` of Megatron's prebuilt indices for this dataset."""
+    for base, desc in megatron_descriptions(index_dir, "GPTDataset", split):
         same_path = (desc.get("dataset_path") == dataset_path or os.path.basename(
             str(desc.get("dataset_path"))) == os.path.basename(dataset_path))
         if (same_path and desc.get("sequence_length") == seq_length
                 and desc.get("random_seed") == seed and desc.get("num_samples") == num_samples):
-            return os.path.join(index_dir, fn[: -len("-description.txt")])
+            return base
     return None
 
 
