@@ -5,7 +5,6 @@ Decay is applied to matrices only: norms, biases (ndim < 2) and, unless
 """
 
 import jax
-import jax.numpy as jnp
 import optax
 
 
@@ -53,6 +52,3 @@ def make_optimizer(cfg, params):
                     mask=decay_mask(params, cfg)),
     ), sched
 
-
-def global_norm(tree) -> jax.Array:
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))

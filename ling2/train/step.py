@@ -14,12 +14,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx, struct
 
 from ling2.layers.moe_router import RoutedBias
 from ling2.layers.mtp import depth_token_counts
 from ling2.train import model as model_lib
-from ling2.train.optim import global_norm
 
 F32 = jnp.float32
 
@@ -103,7 +103,7 @@ def train_step(graphdef, tx, cfg, state: TrainState, batch: dict, lr_fn):
         loss = sums["ce"] / jnp.maximum(sums["tokens"], 1)
     else:
         loss = sums["ce_micro_mean"]
-    gnorm = global_norm(grads)
+    gnorm = optax.global_norm(grads)
     finite = jnp.isfinite(gnorm) & jnp.isfinite(sums["ce"])
     updates, new_opt = tx.update(grads, state.opt_state, state.params)
     new_params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), state.params, updates)

@@ -26,13 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling2.kernels import gla
+from tools.bench.memory import planned_bytes
 
 
 def _planned_bytes(compiled):
     m = compiled.memory_analysis()
     if m is None:
         return None
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    return planned_bytes(m)
 
 
 def _time(fn, args, repeats, slow_seconds=2.0):

@@ -27,13 +27,14 @@ from flax import nnx
 
 from ling2.config import load_config
 from ling2.layers.moe import MoE, Mlp
+from tools.bench.memory import planned_bytes
 
 
-def planned_bytes(compiled):
+def _planned(compiled):
     m = compiled.memory_analysis()
     if m is None:
         return None
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    return planned_bytes(m)
 
 
 class DenseRef(nnx.Module):
@@ -63,7 +64,7 @@ def compile_case(module, x, ct):
     graphdef, state = nnx.split(module)
     compiled = jax.jit(lambda s, x, ct: step(nnx.merge(graphdef, s), x, ct)).lower(state, x, ct).compile()
     jax.block_until_ready(compiled(state, x, ct))  # warm-up
-    return lambda: compiled(state, x, ct), planned_bytes(compiled)
+    return lambda: compiled(state, x, ct), _planned(compiled)
 
 
 def time_round_robin(fns, repeats):

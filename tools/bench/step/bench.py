@@ -21,6 +21,8 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
+from tools.bench.memory import planned_bytes
+
 flags.DEFINE_string("out", "step_bench.json", "JSON output (relative: the working directory).")
 flags.DEFINE_list("models", ["ling2-tiny", "ling2-small"], "Models.")
 flags.DEFINE_list("seqs", ["1024", "4096"], "Sequence lengths.")
@@ -68,7 +70,7 @@ def bench(model_name: str, seq: int) -> dict:
     ref = matmul_flops(jnp.dtype(cfg.dtype))
     tps = B * seq / dt
     model_flops = tps * training_flops_per_token(cfg, seq)
-    planned = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+    planned = planned_bytes(mem)
     return {"model": model_name, "seq": seq, "dtype": cfg.dtype, "params_M": count_params(cfg)["total"] / 1e6,
             "step_s": dt, "tokens_per_s": tps, "model_gflops": model_flops / 1e9, "matmul_gflops": ref / 1e9,
             "cpu_mfu": model_flops / ref, "planned_MiB": planned / 2**20,

@@ -18,6 +18,8 @@ import time
 import jax
 from absl import app, flags
 
+from tools.bench.memory import planned_bytes
+
 flags.DEFINE_string("out", "train_bench.json", "JSON output path (relative: the working directory).")
 flags.DEFINE_integer("steps", 10, "Timed steps per model.")
 flags.DEFINE_list("models", ["ling2-tiny", "ling2-small"], "Models to run.")
@@ -79,8 +81,7 @@ def bench_model(name: str) -> dict:
         asyn.save(2, fields, it, {"step": 2}, force=True)
         blocked_s = time.perf_counter() - t
         asyn.close()
-    per_device = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-                  - mem.alias_size_in_bytes)
+    per_device = planned_bytes(mem)
     return {"model": name, "params_M": count_params(cfg)["total"] / 1e6, "steps_per_s": FLAGS.steps / dt,
             "tokens_per_s": tps, "mfu": tps * training_flops_per_token(cfg) / peak, "data_wait_frac": wait / dt,
             "ckpt_save_s": save_s, "ckpt_blocked_s": blocked_s, "blocked_frac_of_save": blocked_s / save_s,
