@@ -42,6 +42,9 @@ class Model(_Group):
     first_num_dense_layers: NonNegativeInt = Field(description="Layers before this index use the dense MLP; the rest MoE.")
     attention_type: str = Field(description="Full-attention flavour of the hybrid ('mla').")
     attention_kernel: T.AttentionKernel = Field(description="MLA attention backend.")
+    attention_block_size: PositiveInt = Field(
+        description="Query block of attention_kernel=blocked: each block scores only the keys up to its end."
+    )
     scan_layers: bool
     remat_policy: T.RematPolicy
 

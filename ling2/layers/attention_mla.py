@@ -9,6 +9,8 @@ The rope part of q and k gets NeoX rotate-half RoPE; with `mla_interleaved_rope`
 are first reordered (even, then odd), as the reference's interleaved weights expect. The
 mask is causal within the row AND equal segment id (packed documents never see each
 other). Backends (cfg.attention_kernel): "dot_product" (plain einsum, the reference),
+"blocked" (the same einsums per query block over only the keys up to the block's end: the
+causal half of the work and of the [T, S] buffers; the default, and the CPU choice),
 "cudnn" (jax.nn.dot_product_attention: cuDNN flash on GPU, XLA elsewhere), "flash"
 (Pallas splash attention on TPU; interpret mode elsewhere, for tests only; decode with a
 cache uses the plain path). Decode keeps a latent KV cache: normed c_kv and rotated k_rope
@@ -46,6 +48,24 @@ def dot_product_attention(q_BTHK, k_BSHK, v_BSHV, mask_BTS, scale):
     logits = jnp.where(mask_BTS[:, None], logits, NEG_INF)
     probs = jax.nn.softmax(logits, axis=-1).astype(v_BSHV.dtype)
     return jnp.einsum("bhts,bshv->bthv", probs, v_BSHV, preferred_element_type=jnp.float32).astype(q_BTHK.dtype)
+
+
+def blocked_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, block):
+    """Causal attention that skips the all-masked blocks above the diagonal. Needs T == S.
+
+    Query block [s, e) attends to keys [0, e) only; the mask inside is the usual causal and
+    same-segment one, so the output equals dot_product_attention's (exp of a masked logit is 0).
+    """
+    T = q_BTHK.shape[1]
+    if k_BSHK.shape[1] != T:
+        raise ValueError(f"attention_kernel=blocked: needs equal q and kv lengths, got {T} and {k_BSHK.shape[1]}")
+    index = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), segment_BT.shape)
+    outs = []
+    for s in range(0, T, block):
+        e = min(s + block, T)
+        mask = attention_mask(segment_BT[:, s:e], segment_BT[:, :e], index[:, s:e], index[:, :e])
+        outs.append(dot_product_attention(q_BTHK[:, s:e], k_BSHK[:, :e], v_BSHV[:, :e], mask, scale))
+    return jnp.concatenate(outs, axis=1)
 
 
 def jax_attention(q_BTHK, k_BSHK, v_BSHV, mask_BTS, scale):
@@ -107,6 +127,7 @@ class MLA(nnx.Module):
         self.kv_b = param((self.Rkv, H, self.Dn + self.Dv), ("kv_lora", "heads", "kv"))
         self.dense = param((H, self.Dv, E), ("heads", "kv", "embed"))
         self.dtype, self.kernel, self.interleaved = cfg.dtype, cfg.attention_kernel, cfg.mla_interleaved_rope
+        self.block = cfg.attention_block_size
         self.inv_freq = tuple(float(f) for f in yarn.rope_inv_freq(cfg))
         self.rope_scaling = yarn.rope_attention_scaling(cfg)
         self.scale = yarn.mla_softmax_scale(cfg)
@@ -163,11 +184,13 @@ class MLA(nnx.Module):
         kernel = self.kernel
         if kernel == "flash" and cache is None:
             o_BTHV = splash_attention(q_BTHK, k_BSHK, v_BSHV, q_segment, self.scale)
+        elif kernel == "blocked" and cache is None:
+            o_BTHV = blocked_attention(q_BTHK, k_BSHK, v_BSHV, q_segment, self.scale, self.block)
         else:
             mask = attention_mask(q_segment, kv_segment, q_index, kv_index)
             if kernel == "cudnn":
                 o_BTHV = jax_attention(q_BTHK, k_BSHK, v_BSHV, mask, self.scale)
-            elif kernel in ("dot_product", "flash"):
+            elif kernel in ("dot_product", "blocked", "flash"):
                 o_BTHV = dot_product_attention(q_BTHK, k_BSHK, v_BSHV, mask, self.scale)
             else:
                 raise ValueError(f"attention_kernel: unknown {kernel!r}")

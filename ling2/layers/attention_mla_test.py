@@ -83,7 +83,7 @@ def test_matches_float64_reference(kw):
     np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "blocked"])
 def test_backends_match_dot_product(kernel):
     cfg = tiny()
     x, pos, seg = inputs(cfg, T=128 if kernel == "flash" else 12)
@@ -91,10 +91,37 @@ def test_backends_match_dot_product(kernel):
         seg = np.repeat(np.array([[1] * 50 + [2] * 78, [3] * 128]), 1, 0)
         pos = np.where(seg[:, :] == 2, np.arange(128) - 50, np.arange(128))
         x = np.random.default_rng(1).normal(size=(2, 128, cfg.emb_dim)).astype(np.float32)
-    ref_m = attention_mla.MLA(cfg, rngs=nnx.Rngs(0))
+    ref_m = attention_mla.MLA(tiny(attention_kernel="dot_product"), rngs=nnx.Rngs(0))
     m = attention_mla.MLA(tiny(attention_kernel=kernel), rngs=nnx.Rngs(0))
     args = jnp.asarray(x), jnp.asarray(pos), jnp.asarray(seg)
     np.testing.assert_allclose(np.asarray(m(*args)), np.asarray(ref_m(*args)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [4, 5, 64])
+def test_blocked_attention_matches_dot_product_with_grads(block):
+    """Blocks of 4 and 5 over T=13 (a partial last block) and one block; packed segments."""
+    r = np.random.default_rng(3)
+    B, T, H = 2, 13, 2
+    q, k = (jnp.asarray(r.normal(size=(B, T, H, 6)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(r.normal(size=(B, T, H, 3)), jnp.float32)
+    seg = jnp.asarray([[1] * 6 + [2] * 1 + [3] * 6, [4] * 13], jnp.int32)
+    idx = jnp.broadcast_to(jnp.arange(T), (B, T))
+    full = lambda q, k, v: attention_mla.dot_product_attention(q, k, v, attention_mla.attention_mask(seg, seg, idx, idx), 0.3)
+    blocked = lambda q, k, v: attention_mla.blocked_attention(q, k, v, seg, 0.3, block)
+    np.testing.assert_allclose(np.asarray(blocked(q, k, v)), np.asarray(full(q, k, v)), rtol=1e-5, atol=1e-6)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    for gb, gf in zip(jax.grad(loss(blocked), (0, 1, 2))(q, k, v), jax.grad(loss(full), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(np.asarray(gb), np.asarray(gf), rtol=1e-5, atol=1e-6)
+
+
+def test_blocked_layer_matches_float64_reference():
+    """The layer with attention_kernel=blocked and blocks of 3 against the numpy MLA."""
+    cfg = tiny(attention_kernel="blocked", attention_block_size=3)
+    m = attention_mla.MLA(cfg, rngs=nnx.Rngs(0))
+    x, pos, seg = inputs(cfg)
+    out = m(jnp.asarray(x), jnp.asarray(pos), jnp.asarray(seg))
+    np.testing.assert_allclose(np.asarray(out), mla64(cfg, params64(m), x.astype(np.float64), pos, seg),
+                               rtol=2e-4, atol=2e-5)
 
 
 def test_kv_cache_decode_matches_full_forward():
