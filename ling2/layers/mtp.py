@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ling2.layers import norms
+from ling2.layers import losses, norms
 from ling2.layers.decoder import DecoderLayer, DecoderOutput, build_decoder, remat
 
 
@@ -151,11 +151,10 @@ class MTP(nnx.Module):
             else:
                 logits = lm_head(y_normed)
             logits = logits.astype(jnp.float32)
-            ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets_k[..., None], -1)[..., 0]
-            hit = (jnp.argmax(logits, axis=-1) == targets_k).astype(jnp.float32)
-            sums.append(jnp.sum(ce * w_k))
-            counts.append(jnp.sum(w_k))
-            corrects.append(jnp.sum(hit * w_k))
+            ce, count, correct = losses.cross_entropy_sums(logits, targets_k, w_k)
+            sums.append(ce)
+            counts.append(count)
+            corrects.append(correct)
             if return_logits:
                 all_logits.append(logits)
         return MTPOutput(ce_sum=jnp.stack(sums), ce_count=jnp.stack(counts), correct=jnp.stack(corrects),

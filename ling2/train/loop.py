@@ -17,6 +17,7 @@ from flax import nnx
 
 from ling2.layers import sharding
 from ling2.layers.counting import training_flops_per_token
+from ling2.layers.losses import cross_entropy_sums
 from ling2.layers.moe_router import router_metrics
 from ling2.train import step as step_lib
 from ling2.train.checkpoint import Checkpointer
@@ -261,7 +262,7 @@ def evaluate(cfg, mesh, gd, state, make_iter) -> float:
     def ce(params, rest, mb):
         model = nnx.merge(gd, params, rest)
         out = model.decoder(mb["inputs"], mb["positions"], mb["segment_ids"], mb["segment_ids"] != 0)
-        s, n, _ = step_lib.cross_entropy_sums(out.logits, mb["targets"], mb["loss_weights"])
+        s, n, _ = cross_entropy_sums(out.logits, mb["targets"], mb["loss_weights"])
         return s, n
 
     tot, cnt = 0.0, 0.0

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from ling2.layers import losses
 from ling2.layers.moe_router import RoutedBias
 from ling2.layers.mtp import depth_token_counts
 from ling2.train import model as model_lib
@@ -38,22 +39,12 @@ def trainable_filter(cfg):
     return nnx.Any(nnx.Param, RoutedBias) if cfg.enable_routed_bias_grad else nnx.Param
 
 
-def cross_entropy_sums(logits_BTV, targets_BT, weights_BT):
-    """(sum of weighted token CE, sum of weights, sum of weighted argmax hits), all fp32."""
-    logits = logits_BTV.astype(F32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    tgt = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
-    w = weights_BT.astype(F32)
-    hits = (jnp.argmax(logits, -1) == targets_BT).astype(F32)
-    return jnp.sum((lse - tgt) * w), jnp.sum(w), jnp.sum(hits * w)
-
-
 def forward(graphdef, params, rest, mb, cfg, norms):
     """Objective of one micro-batch (already scaled for accumulation) and its additive sums."""
     model = nnx.merge(graphdef, params, rest)
     valid = mb["segment_ids"] != 0
     out = model.decoder(mb["inputs"], mb["positions"], mb["segment_ids"], valid)
-    ce, n, hits = cross_entropy_sums(out.logits, mb["targets"], mb["loss_weights"])
+    ce, n, hits = losses.cross_entropy_sums(out.logits, mb["targets"], mb["loss_weights"])
     M = cfg.gradient_accumulation_steps
     objective = ce / norms["tokens"] if cfg.calculate_per_token_loss else ce / jnp.maximum(n, 1) / M
     moe_aux = dict(out.moe_aux)
