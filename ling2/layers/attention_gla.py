@@ -104,8 +104,11 @@ class GatedLinearAttention(nnx.Module):
         return jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=(spec, state_spec), check_vma=False)(
             q, k, v, g, seg, *state)
 
-    def __call__(self, x_BTE, positions_BT, segment_ids_BT=None, cache=None):
-        """Returns out [B,T,E] (and the updated cache when one is given)."""
+    def __call__(self, x_BTE, positions_BT, segment_ids_BT=None, cache=None, log_decay=None):
+        """Returns out [B,T,E] (and the updated cache when one is given).
+
+        `log_decay`: optional [H] log-decays replacing this layer's own constants (a scanned
+        decoder passes each layer's as a scanned-over value)."""
         B, T, _ = x_BTE.shape
         x = x_BTE.astype(jnp.dtype(self.dtype))
         qkv = jnp.einsum("bte,eshd->btshd", x, self._w(self.qkv))
@@ -118,7 +121,7 @@ class GatedLinearAttention(nnx.Module):
         k = rope.apply_rotary(k, positions_BT, self.rotary_dim, inv_freq=self.inv_freq, scaling=self.rope_scaling)
         names = ("activation_batch", "activation_length", "activation_heads", None)
         q, k, v = (sharding.constrain(a, names) for a in (q, k, v))
-        g = jnp.asarray(self.log_decay, jnp.float32)
+        g = jnp.asarray(self.log_decay if log_decay is None else log_decay, jnp.float32)
         if segment_ids_BT is None:
             segment_ids_BT = jnp.zeros((B, T), jnp.int32)
         h0 = None if cache is None else cache["state"]

@@ -64,9 +64,12 @@ class DecoderLayer(nnx.Module):
             return self.attention.init_cache(batch, max_len)
         return self.attention.init_cache(batch)
 
-    def __call__(self, x_BTE, positions_BT, segment_ids_BT, valid_BT=None, cache=None):
-        """Returns (x [B,T,E], MoEAux or None), plus the new attention cache when `cache` is given."""
-        a = self.attention(self.input_norm(x_BTE), positions_BT, segment_ids_BT, cache=cache)
+    def __call__(self, x_BTE, positions_BT, segment_ids_BT, valid_BT=None, cache=None, log_decay=None):
+        """Returns (x [B,T,E], MoEAux or None), plus the new attention cache when `cache` is given.
+
+        `log_decay`: a GLA layer's [H] log-decays when they are traced values (scanned groups)."""
+        extra = {} if log_decay is None else {"log_decay": log_decay}
+        a = self.attention(self.input_norm(x_BTE), positions_BT, segment_ids_BT, cache=cache, **extra)
         a, cache = a if cache is not None else (a, None)
         h = constrain(x_BTE + a.astype(x_BTE.dtype), ACT)
         aux = None
@@ -88,9 +91,8 @@ class LayerGroup(nnx.Module):
         """`log_decays`: optional per-GLA-layer [H] decays overriding the built-in constants."""
         auxes = []
         for j, layer in enumerate(self.layers):
-            if log_decays is not None and layer.attn_type == "gla":
-                layer.attention.log_decay = log_decays[j]
-            x_BTE, aux = layer(x_BTE, positions_BT, segment_ids_BT, valid_BT)
+            decay = log_decays[j] if log_decays is not None and layer.attn_type == "gla" else None
+            x_BTE, aux = layer(x_BTE, positions_BT, segment_ids_BT, valid_BT, log_decay=decay)
             auxes.append(aux)
         return x_BTE, auxes
 
@@ -174,7 +176,8 @@ class Ling2Decoder(nnx.Module):
         return remat(f, self.remat_policy)(state, x, decays)
 
     def layer_list(self):
-        """[(global index, DecoderLayer)] in order; scanned layers are sliced out of the stack."""
+        """[(global index, DecoderLayer)] in order; scanned layers are sliced out of the stack (with
+        their own GLA decay constants: the stack keeps one group's)."""
         if not self.scan:
             return list(enumerate(self.layers))
         out = list(enumerate(self.prefix))
