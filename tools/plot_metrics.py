@@ -4,7 +4,6 @@
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -14,14 +13,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from ling2.config.paths import user_path  # noqa: E402
+
 flags.DEFINE_string("metrics", None, "Path to metrics.jsonl.")
 flags.DEFINE_string("out", None, "Output PNG (default: next to metrics.jsonl).")
 FLAGS = flags.FLAGS
-
-
-def _user(p: str) -> Path:
-    path = Path(p)
-    return path if path.is_absolute() else Path(os.environ.get("BUILD_WORKING_DIRECTORY", ".")) / path
 
 
 def load(path: Path) -> list[dict]:
@@ -69,7 +65,7 @@ def main(argv):
     if not FLAGS.metrics:
         print("error: --metrics is required", file=sys.stderr)
         return 2
-    path = _user(FLAGS.metrics)
+    path = user_path(FLAGS.metrics)
     if not path.is_file():
         print(f"error: {path}: metrics file not found", file=sys.stderr)
         return 2
@@ -78,7 +74,7 @@ def main(argv):
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = _user(FLAGS.out) if FLAGS.out else path.with_suffix(".png")
+    out = user_path(FLAGS.out) if FLAGS.out else path.with_suffix(".png")
     plot(rows, out)
     print(f"wrote {out}")
     return 0

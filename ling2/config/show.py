@@ -3,10 +3,10 @@
 `--config=PATH` picks the root config file. A bad config exits 2 with the message.
 """
 
-import os
 import sys
 
 from ling2.config import ConfigError, load_config, to_yaml
+from ling2.config.paths import user_path
 
 
 def main(argv: list[str]) -> int:
@@ -14,10 +14,7 @@ def main(argv: list[str]) -> int:
     overrides = []
     for a in argv:
         if a.startswith("--config="):
-            config_file = a.split("=", 1)[1]
-            wd = os.environ.get("BUILD_WORKING_DIRECTORY")
-            if wd and not os.path.isabs(config_file):
-                config_file = os.path.join(wd, config_file)
+            config_file = str(user_path(a.split("=", 1)[1]))
         else:
             overrides.append(a)
     try:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from absl import app, flags
 
+from ling2.config.paths import user_path
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "configs/train/tiny_sample.yml",
                     "Root config file (relative paths: the working directory, then the repository).")
@@ -24,14 +26,6 @@ flags.DEFINE_integer("num_processes", None, "Number of processes (or LING2_NUM_P
 flags.DEFINE_integer("process_id", None, "This process's index (or LING2_PROCESS_ID).")
 
 REPO = Path(os.path.abspath(__file__)).parents[2]  # the runfiles tree under Bazel
-
-
-def user_path(p: str) -> Path:
-    """A user-given path: absolute, else relative to where `bazel run` was called."""
-    path = Path(p)
-    if path.is_absolute():
-        return path
-    return Path(os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd())) / path
 
 
 def find_file(p: str) -> Path:

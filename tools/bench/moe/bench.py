@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from ling2.config import load_config
+from ling2.config.paths import user_path
 from ling2.layers.moe import MoE, Mlp
 from tools.bench.memory import planned_bytes
 
@@ -131,7 +132,7 @@ def main():
               "config": {"model": "ling2-small", "D": D, "E": E, "K": K, "F": F, "shared": Fs, "batch": a.batch,
                          "seq": a.seq, "dtype": cfg.dtype, "capacity_factor": a.capacity_factor},
               "useful_gflop_per_step": flops / 1e9, "rows": rows}
-    out = a.out or os.path.join(os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd()),
+    out = user_path(a.out) if a.out else os.path.join(os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd()),
                                 f"moe_bench_{jax.default_backend()}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)

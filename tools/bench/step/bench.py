@@ -10,7 +10,6 @@ it. Peak memory is XLA's planned memory for the compiled step, plus the process 
 
 import functools
 import json
-import os
 import resource
 import sys
 import time
@@ -21,6 +20,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
+from ling2.config.paths import user_path
 from tools.bench.memory import planned_bytes
 
 flags.DEFINE_string("out", "step_bench.json", "JSON output (relative: the working directory).")
@@ -87,8 +87,7 @@ def main(argv):
     small = [r["cpu_mfu"] for r in rows if r["model"] == "ling2-small"]
     targets = {"ling2-small cpu_mfu >= 0.30": bool(small) and min(small) >= 0.30}
     print("targets:", targets)
-    out = FLAGS.out if os.path.isabs(FLAGS.out) else os.path.join(os.environ.get("BUILD_WORKING_DIRECTORY", "."),
-                                                                  FLAGS.out)
+    out = user_path(FLAGS.out)
     with open(out, "w") as fh:
         json.dump({"device": jax.devices()[0].device_kind, "rows": rows, "targets": targets}, fh, indent=2)
     print(f"wrote {out}")
