@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling2.kernels import gla
+from ling2.config.paths import user_path
 from tools.bench.memory import planned_bytes
 
 
@@ -101,6 +102,34 @@ def run_cpu(args):
     return rows
 
 
+def forward_bound(rows, H=4, K=128, V=128, C=64, speedup=5.0, n=2048):
+    """How fast the chunked forward would have to run to be `speedup` x the naive scan.
+
+    Both forwards need the 4 K V flops per token and head of q S_t and the k^T v state update;
+    the chunked one adds its intra-chunk scores and their product with v (2 C (K + V)). The
+    naive scan's own FLOP/s and the FLOP/s a chunked forward would need are given as fractions
+    of a dense n x n fp32 matmul timed here (the CPU's practical peak for any matmul form).
+    """
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
+    mm = jax.jit(lambda a: a @ a).lower(x).compile()
+    peak = 2 * n**3 / _time(mm, (x,), 5)
+    out = []
+    for r in rows:
+        if r["impl"] != "naive" or r["mode"] != "fwd" or not r.get("seconds"):
+            continue
+        core, chunked = 4 * K * V * r["T"] * H, (4 * K * V + 2 * C * (K + V)) * r["T"] * H
+        out.append({"T": r["T"], "matmul_gflops": peak / 1e9, "naive_gflops": core / r["seconds"] / 1e9,
+                    "naive_fraction_of_matmul": core / r["seconds"] / peak,
+                    f"needed_fraction_of_matmul_for_{speedup:g}x": speedup * chunked / r["seconds"] / peak,
+                    f"needed_fraction_of_matmul_for_{speedup:g}x_without_intra_flops": speedup * core / r["seconds"] / peak})
+        b = out[-1]
+        print(f"T={b['T']}: dense matmul {b['matmul_gflops']:.0f} GFLOP/s; the naive forward runs at "
+              f"{b['naive_gflops']:.0f} GFLOP/s ({b['naive_fraction_of_matmul']:.2f} of it); a chunked forward "
+              f"{speedup:g}x faster needs {b[f'needed_fraction_of_matmul_for_{speedup:g}x']:.2f} of it "
+              f"({b[f'needed_fraction_of_matmul_for_{speedup:g}x_without_intra_flops']:.2f} with no intra-chunk flops)")
+    return out
+
+
 def run_gpu(args, attention_impl="cudnn"):
     B, T, H, D = 2, args.gpu_t, 16, 128
     ins = _inputs(B, T, H, D, jnp.bfloat16)
@@ -171,9 +200,12 @@ def main():
               "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
               "cpu_count": os.cpu_count(), "host": platform.processor() or platform.machine(),
               "jax": jax.__version__, "rows": rows}
+    if not args.gpu:
+        print("\nforward bound (chunked >= 5x naive needs this fraction of the dense matmul rate):")
+        result["forward_bound"] = forward_bound(rows)
     name = f"results_{jax.default_backend()}.json"
     ws = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
-    out = args.out or (os.path.join(ws, "tools", "bench", "gla", name) if ws else name)
+    out = user_path(args.out) if args.out else (os.path.join(ws, "tools", "bench", "gla", name) if ws else name)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\nwrote {out}")
