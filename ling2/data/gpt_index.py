@@ -279,8 +279,9 @@ class GPTDataset:
                              f"[{beg}, {end})")
         if shuffle.size and int(shuffle.max()) >= shuffle.shape[0]:
             raise ValueError(f"{base}-shuffle_index.npy: entry >= {shuffle.shape[0]}")
-        if int(sample[:, 0].max()) >= doc.shape[0]:
-            raise ValueError(f"{base}-sample_index.npy: position past the document index")
+        if int(sample[:, 0].max()) >= doc.shape[0] or int(sample[:, 0].min()) < 0:
+            raise ValueError(f"{base}-sample_index.npy: position outside the document index "
+                             f"[0, {doc.shape[0]})")
 
     def __len__(self) -> int:
         return int(self.shuffle_index.shape[0])
@@ -289,57 +290,88 @@ class GPTDataset:
         return self.sample(int(self.shuffle_index[i]))
 
     def samples(self, ids, dtype=np.int64) -> np.ndarray:
-        """dataset[i] for every i in `ids` as one [len(ids), seq_length + add] array.
+        """dataset[i] for every i in `ids` as one [len(ids), seq_length + add] array."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        return self.read(np.asarray(self.shuffle_index[ids], dtype=np.int64), dtype)
 
-        The piece arithmetic is vectorised over the batch; only the copies loop in Python.
+    def sample(self, j: int, dtype=np.int64) -> np.ndarray:
+        """Pre-shuffle sample j: seq_length + add tokens (`read` of one, in Python scalars)."""
+        ds, n, want = self.dataset, len(self.sample_index) - 1, self.seq_length + self.add
+        if not 0 <= j < n:
+            raise IndexError(f"{ds.prefix}: sample ids must be in [0, {n})")
+        (b, bo), (e, eo) = self.sample_index[j:j + 2].tolist()
+        seqs, item = self.document_index[b:e + 1].tolist(), ds.dtype.itemsize
+        orig = (ds.sequence_pointers[seqs] // item).tolist()
+        size = ds.sequence_lengths[seqs].tolist()
+        starts, ends = orig.copy(), [p + m for p, m in zip(orig, size)]
+        if seqs:
+            starts[0] += bo
+            ends[-1] = orig[-1] + eo + self.add
+        for s, t, p, m, q in zip(starts, ends, orig, size, seqs):
+            if not p <= s <= t <= p + m:
+                raise ValueError(f"{ds.prefix}: sample {j} reads tokens [{s - p}, {t - p}) of "
+                                 f"sequence {q} of length {m}: the sample index does not fit "
+                                 "this dataset")
+        total = sum(ends) - sum(starts)
+        if total > want or (total < want and j != n - 1):
+            raise ValueError(f"{ds.prefix}: sample {j} has {total} tokens, want {want}: the "
+                             "sample index does not fit this dataset")
+        got = self._join([s * item for s in starts], [t * item for t in ends])
+        if total == want:
+            return got.astype(dtype, copy=False)
+        out = np.full(want, self.pad_id, dtype=dtype)  # a keep-partial last sample
+        out[:total] = got
+        return out
+
+    def read(self, js: np.ndarray, dtype=np.int64) -> np.ndarray:
+        """Pre-shuffle samples `js` as [len(js), seq_length + add] `dtype` tokens.
+
+        Each sample is a run of pieces (slices of sequences). Their bounds are computed
+        vectorised and checked against the sequences they come from; then `_join` copies
+        every piece with no Python bytecode or numpy call per piece.
         """
-        ids = np.asarray(ids, dtype=np.int64)
-        want, ds = self.seq_length + self.add, self.dataset
-        js = np.asarray(self.shuffle_index[ids], dtype=np.int64)
+        ds, n, want = self.dataset, len(self.sample_index) - 1, self.seq_length + self.add
+        if js.size and (int(js.min()) < 0 or int(js.max()) >= n):
+            raise IndexError(f"{ds.prefix}: sample ids must be in [0, {n})")
         beg, end = self.sample_index[js], self.sample_index[js + 1]
         n_pieces = end[:, 0] - beg[:, 0] + 1
+        if js.size and int(n_pieces.min()) < 1:
+            r = int(np.argmin(n_pieces))
+            raise ValueError(f"{ds.prefix}: sample {js[r]} ends at document-index position "
+                             f"{end[r, 0]} before it starts at {beg[r, 0]}")
         first = np.cumsum(n_pieces) - n_pieces
         last = first + n_pieces - 1
         pos = np.repeat(beg[:, 0] - first, n_pieces) + np.arange(int(n_pieces.sum()))
         seqs = self.document_index[pos]
         orig = ds.sequence_pointers[seqs] // ds.dtype.itemsize
-        starts, ends = orig.copy(), orig + ds.sequence_lengths[seqs]
+        size = ds.sequence_lengths[seqs].astype(np.int64)
+        starts, ends = orig.copy(), orig + size
         starts[first] += beg[:, 1]
         ends[last] = orig[last] + end[:, 1] + self.add
+        bad = np.flatnonzero((starts < orig) | (starts > ends) | (ends > orig + size))
+        if bad.size:  # never read outside the sequence a piece belongs to
+            k = int(bad[0])
+            raise ValueError(
+                f"{ds.prefix}: sample {js[np.searchsorted(first, k, 'right') - 1]} reads tokens "
+                f"[{starts[k] - orig[k]}, {ends[k] - orig[k]}) of sequence {seqs[k]} of length "
+                f"{size[k]}: the sample index does not fit this dataset")
         lens = ends - starts
-        csum = np.cumsum(lens) - lens
-        totals = np.add.reduceat(lens, first) if lens.size else lens
-        n = len(self.sample_index) - 1
+        totals = np.add.reduceat(lens, first) if lens.size else np.zeros(js.size, np.int64)
         bad = np.flatnonzero((totals > want) | ((totals < want) & (js != n - 1)))
         if bad.size:
             raise ValueError(f"{ds.prefix}: sample {js[bad[0]]} has {totals[bad[0]]} tokens, "
                              f"want {want}: the sample index does not fit this dataset")
-        dest = np.repeat(np.arange(ids.size, dtype=np.int64) * want - csum[first], n_pieces) + csum
-        out = np.empty((ids.size, want), dtype=dtype)
-        for r in np.flatnonzero(totals < want):  # only a keep-partial last sample
-            out[r, totals[r]:] = self.pad_id
-        flat, src = out.reshape(-1), ds._bin
-        for d, s, t in zip(dest.tolist(), starts.tolist(), ends.tolist()):
-            flat[d:d + t - s] = src[s:t]
+        item = ds.dtype.itemsize
+        got = self._join((starts * item).tolist(), (ends * item).tolist())
+        if got.size == js.size * want:
+            return got.reshape(js.size, want).astype(dtype, copy=False)
+        out = np.full((js.size, want), self.pad_id, dtype=dtype)  # a keep-partial last sample
+        out[np.arange(want) < totals[:, None]] = got
         return out
 
-    def sample(self, j: int) -> np.ndarray:
-        """Pre-shuffle sample j: seq_length + add int64 tokens."""
-        (b, bo), (e, eo) = self.sample_index[j], self.sample_index[j + 1]
-        b, bo, e, eo = int(b), int(bo), int(e), int(eo)
-        ds, want = self.dataset, self.seq_length + self.add
-        if b == e:
-            got = ds.get(int(self.document_index[b]), bo, eo - bo + self.add)
-        else:
-            seqs = self.document_index[b:e + 1]
-            starts = ds.sequence_pointers[seqs] // ds.dtype.itemsize
-            ends = starts + ds.sequence_lengths[seqs]
-            starts[0] += bo
-            ends[-1] = starts[-1] + eo + self.add
-            got = np.concatenate([ds._bin[s:t] for s, t in zip(starts.tolist(), ends.tolist())])
-        if got.size > want or (got.size < want and j != len(self.sample_index) - 2):
-            raise ValueError(f"{ds.prefix}: sample {j} has {got.size} tokens, want {want}: "
-                             "the sample index does not fit this dataset")
-        out = np.full(want, self.pad_id, dtype=np.int64)
-        out[: got.size] = got
-        return out
+    def _join(self, lo: list, hi: list) -> np.ndarray:
+        """Bytes [lo[k], hi[k]) of the `.bin`, concatenated, as tokens: one `bytearray.join`
+        of memoryview slices of the mmap, so every piece is copied in C."""
+        mv = memoryview(self.dataset._bin).cast("B")
+        return np.frombuffer(bytearray().join(map(mv.__getitem__, map(slice, lo, hi))),
+                             dtype=self.dataset.dtype)

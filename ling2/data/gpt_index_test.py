@@ -140,3 +140,57 @@ def test_many_epochs_from_tiny_data(tmp_path):
                      num_samples=10)
     assert len(g) >= 10 and g.document_index.size == 2 * 9
     assert all(set(g[i].tolist()) <= {1, 2, 3, 4, 5} for i in range(len(g)))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.int32, np.int64])
+@pytest.mark.parametrize("add,drop_last", [(1, True), (1, False), (0, False)])
+def test_reader_matches_naive_stream(tmp_path, dtype, add, drop_last):
+    """Every read path equals pre-shuffle sample j = stream[j*S : j*S + S + add] of the
+    concatenated sequences in document-index order, pad-filled at the stream end."""
+    rng = np.random.default_rng(3)
+    docs = [[rng.integers(1, 250, size=rng.integers(0, 6)).tolist()
+             for _ in range(rng.integers(1, 3))] for _ in range(60)]
+    write_dataset(str(tmp_path / "d"), docs, dtype=dtype)
+    ds = IndexedDataset(str(tmp_path / "d"))
+    S = 7
+    g = G.GPTDataset(ds, "train", "1,0,0", S, num_samples=40, seed=5, add_extra_token=add,
+                     drop_last=drop_last, pad_id=-3)
+    stream = [t for s in g.document_index for t in ds.get(int(s)).tolist()]
+    want = np.full((len(g), S + add), -3, np.int64)
+    for j in range(len(g)):
+        got = stream[j * S: j * S + S + add]
+        want[j, :len(got)] = got
+    assert (want[-1] == -3).any() == (not drop_last)  # the fixture has a partial last sample
+    np.testing.assert_array_equal(np.stack([g.sample(j) for j in range(len(g))]), want)
+    np.testing.assert_array_equal(np.stack([g[i] for i in range(len(g))]), want[g.shuffle_index])
+    ids = np.concatenate([np.random.default_rng(0).permutation(len(g)), [len(g) - 1] * 2,
+                          np.flatnonzero(g.shuffle_index == len(g) - 1)])
+    for out in (np.int32, np.int64):
+        got = g.samples(ids, out)
+        assert got.dtype == out and got.shape == (ids.size, S + add)
+        np.testing.assert_array_equal(got, want[g.shuffle_index[ids]])
+    assert g.samples([], np.int32).shape == (0, S + add)
+
+
+def test_reader_rejects_an_index_that_does_not_fit(tmp_path):
+    write_dataset(str(tmp_path / "d"), [[[1, 2, 3]], [[4, 5, 6, 7]], [[8, 9]]])
+    ds = IndexedDataset(str(tmp_path / "d"))
+    g = G.GPTDataset(ds, "train", "1,0,0", 2, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(IndexError, match=r"d: sample ids must be in \[0, 4\)"):
+        g.sample(4)
+    (f,) = (tmp_path / "c").glob("*-sample_index.npy")
+    bad = np.array(g.sample_index)
+    bad[1, 1] = 5  # offset 5 in a sequence of 3 or 4 tokens
+    np.save(f, bad)
+    g = G.GPTDataset(ds, "train", "1,0,0", 2, cache_dir=str(tmp_path / "c"))
+    assert g.source == "cache"
+    with pytest.raises(ValueError, match=r"d: sample [01] reads tokens \[\d+, \d+\) of sequence "
+                                         r"\d of length \d: the sample index does not fit"):
+        g.samples(np.arange(len(g)))
+    with pytest.raises(ValueError, match=r"d: sample 0 reads tokens \[0, 6\) of sequence"):
+        g.sample(0)
+    bad[1] = (-1, 0)
+    np.save(f, bad)
+    with pytest.raises(ValueError, match=r"sample_index.npy: position outside the document "
+                                         r"index \[0, 3\)"):
+        G.GPTDataset(ds, "train", "1,0,0", 2, cache_dir=str(tmp_path / "c"))

@@ -101,7 +101,8 @@ class IndexedDataset:
                 f"indices{' with modes' if multimodal else ''} need {want}")
         self.multimodal = multimodal
 
-        self._idx = np.memmap(ipath, dtype=np.uint8, mode="r")
+        # Plain ndarray views of the mmap (which they keep alive): they index ~10x faster.
+        self._idx = np.memmap(ipath, dtype=np.uint8, mode="r").view(np.ndarray)
         o_len, o_ptr, o_doc = HEADER_BYTES, HEADER_BYTES + 4 * n, HEADER_BYTES + 12 * n
         self.sequence_lengths = self._idx[o_len:o_ptr].view("<i4")
         self.sequence_pointers = self._idx[o_ptr:o_doc].view("<i8")
@@ -114,7 +115,7 @@ class IndexedDataset:
         # An all-empty dataset has an empty .bin, which cannot be mmapped.
         mm = (np.memmap(bpath, dtype=self.dtype, mode="r", shape=(count,))
               if count else np.zeros(0, self.dtype))
-        self._bin = mm.view(np.ndarray)  # plain views slice faster; they keep the mmap alive
+        self._bin = mm.view(np.ndarray)
         self._starts = None
 
     def __reduce__(self):

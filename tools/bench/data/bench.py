@@ -2,8 +2,13 @@
 
 1. Random-access GPT sample reads (seq 4096 + 1 int32 tokens, `GPTDataset.samples` in
    batches of 64, and one by one) over a synthetic `.bin` of random-length documents,
-   against a raw sequential read of the same file in the same run (target >= 0.70); both
-   from the page cache.
+   against a raw sequential read of the same file in the same run (target >= 0.70); all
+   from the page cache. A pass reads every sample once in random order (as many bytes as
+   the raw read; --reads caps it); the first pass goes through a freshly opened mmap, so
+   it pays the page faults, and the best of 3 shows the steady state. Raw reads (best of
+   3, interleaved with the passes) use a 64 MiB buffer; a one-batch buffer (cache-resident,
+   much faster) is shown too, and ratios per CPU second, which a busy shared host
+   disturbs less than wall time.
 2. GPT index build (document/sample/shuffle) for T tokens in D documents: time and peak
    traced memory against the size of the output indices (target <= 2x).
 3. Pipeline batches/s for ling2-tiny shapes on the bundled sample data, against the rate a
@@ -49,33 +54,49 @@ def bench_reads(workdir: str, mb: int, mean_doc: int, reads: int, seq: int,
     prefix = os.path.join(workdir, "synthetic")
     make_bin(prefix, mb * (1 << 20) // 4, mean_doc)
     path, size = indexed.bin_path(prefix), os.path.getsize(indexed.bin_path(prefix))
-    buf = bytearray(64 << 20)
+    sample_bytes = (seq + 1) * 4
 
-    def raw_read():
-        t = time.perf_counter()
+    def timed(fn, *args):
+        """(wall, CPU) seconds; CPU time (user + system) is robust to a busy shared host."""
+        t, c = time.perf_counter(), time.process_time()
+        fn(*args)
+        return np.array([time.perf_counter() - t, time.process_time() - c])
+
+    def raw_read(buf):
         with open(path, "rb", buffering=0) as f:
             while f.readinto(buf):
                 pass
-        return size / (time.perf_counter() - t)
 
-    raw_read()  # warm the page cache: both reads below come from memory
-    raw = raw_read()
+    def random_reads():
+        for q in range(0, n, batch):
+            g.samples(order[q:q + batch], np.int32)
+
+    def single_reads():
+        for i in order[: n // 16]:
+            g[int(i)]
+
+    big, small = bytearray(64 << 20), bytearray(batch * sample_bytes)
+    raw_read(big)  # warm the page cache: every read below comes from memory
     g = gpt_index.GPTDataset(indexed.IndexedDataset(prefix), "train", "1,0,0", seq)
-    n = min(reads, len(g))
+    n = min(reads, len(g)) if reads else len(g)
     order = np.random.default_rng(1).permutation(len(g))[:n]
-    t = time.perf_counter()
-    for q in range(0, n, batch):
-        g.samples(order[q:q + batch], np.int32)
-    batched = n * (seq + 1) * 4 / (time.perf_counter() - t)
-    t = time.perf_counter()
-    for i in order[: n // 4]:
-        g[int(i)]
-    single = (n // 4) * (seq + 1) * 4 / (time.perf_counter() - t)
-    raw = max(raw, raw_read())  # the better of two raw reads, bracketing the random ones
+    raw, raw_batch, passes = [], [], []
+    for _ in range(3):  # interleaved, so a busy shared host slows all three alike
+        raw.append(timed(raw_read, big))
+        raw_batch.append(timed(raw_read, small))
+        passes.append(timed(random_reads))  # the first pass also maps the mmap's pages
+    single = (n // 16) * sample_bytes / timed(single_reads)
+    raw, raw_batch = size / np.min(raw, axis=0), size / np.min(raw_batch, axis=0)
+    first, best = n * sample_bytes / passes[0], n * sample_bytes / np.min(passes, axis=0)
     return {"bin_bytes": size, "mean_doc_tokens": mean_doc, "samples_read": n,
-            "batch": batch, "raw_sequential_GBps": raw / 1e9,
-            "random_samples_GBps": batched / 1e9, "ratio": batched / raw,
-            "random_single_getitem_GBps": single / 1e9, "ratio_single": single / raw,
+            "batch": batch, "raw_sequential_GBps": raw[0] / 1e9,
+            "raw_sequential_batch_buffer_GBps": raw_batch[0] / 1e9,
+            "random_samples_GBps": first[0] / 1e9, "ratio": first[0] / raw[0],
+            "ratio_cpu_time": first[1] / raw[1],
+            "random_samples_best_pass_GBps": best[0] / 1e9, "ratio_best_pass": best[0] / raw[0],
+            "ratio_best_pass_cpu_time": best[1] / raw[1],
+            "ratio_vs_batch_buffer": best[0] / raw_batch[0],
+            "random_single_getitem_GBps": single[0] / 1e9, "ratio_single": single[0] / raw[0],
             "target": ">= 0.70"}
 
 
@@ -120,7 +141,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bin-mb", type=int, default=512)
     p.add_argument("--mean-doc-tokens", type=int, default=1024)
-    p.add_argument("--reads", type=int, default=20000)
+    p.add_argument("--reads", type=int, default=0, help="samples to read; 0: all (one epoch)")
     p.add_argument("--seq-length", type=int, default=4096)
     p.add_argument("--index-tokens", type=int, default=100_000_000)
     p.add_argument("--index-docs", type=int, default=1_000_000)
@@ -153,6 +174,14 @@ def main(argv=None):
     print(f"{'benchmark':<44}{'value':>14}{'reference':>14}{'ratio':>8}  target")
     print(f"{'random sample reads, batched (GB/s)':<44}{r['random_samples_GBps']:>14.2f}"
           f"{r['raw_sequential_GBps']:>14.2f}{r['ratio']:>8.2f}  {r['target']}")
+    print(f"{'  same, per CPU second (user + system)':<44}{r['ratio_cpu_time']:>36.2f}")
+    print(f"{'  best of 3 passes (later ones: pages mapped)':<44}"
+          f"{r['random_samples_best_pass_GBps']:>14.2f}{r['raw_sequential_GBps']:>14.2f}"
+          f"{r['ratio_best_pass']:>8.2f}")
+    print(f"{'  best of 3, per CPU second':<44}{r['ratio_best_pass_cpu_time']:>36.2f}")
+    print(f"{'  best of 3, vs raw read in one-batch chunks':<44}"
+          f"{r['random_samples_best_pass_GBps']:>14.2f}"
+          f"{r['raw_sequential_batch_buffer_GBps']:>14.2f}{r['ratio_vs_batch_buffer']:>8.2f}")
     print(f"{'random sample reads, one by one (GB/s)':<44}"
           f"{r['random_single_getitem_GBps']:>14.2f}{r['raw_sequential_GBps']:>14.2f}"
           f"{r['ratio_single']:>8.2f}")
