@@ -3,9 +3,12 @@
     bazel run //tools/bench/train:bench -- --out=/tmp/train_bench.json
 
 For each model (ling2-tiny on the bundled sample data, ling2-small on synthetic data) it
-times `--steps` train steps after compilation, the data wait between them, a blocking
-checkpoint save, and how long an async save blocks the loop (target < 10% of a save).
-Memory per device comes from XLA's memory analysis of the compiled step.
+times `--steps` train steps after compilation, the data wait between them, and checkpoint
+saves, none in flight before (median of `--ckpt_reps` after `--ckpt_warmup`; each save is in the
+JSON): a synchronous save until it is committed on disk (`ckpt_save_s`); an async save from the
+call until the loop may go on, the state copy included (`ckpt_blocked_s`, target < 10% of a save),
+and until it is committed (`ckpt_async_total_s`). Memory per device comes from XLA's memory
+analysis of the compiled step.
 """
 
 import functools
@@ -16,6 +19,7 @@ import tempfile
 import time
 
 import jax
+import numpy as np
 from absl import app, flags
 
 from tools.bench.memory import planned_bytes
@@ -25,6 +29,8 @@ flags.DEFINE_integer("steps", 10, "Timed steps per model.")
 flags.DEFINE_list("models", ["ling2-tiny", "ling2-small"], "Models to run.")
 flags.DEFINE_integer("seq", 256, "Sequence length.")
 flags.DEFINE_integer("batch", 4, "Per-device batch size.")
+flags.DEFINE_integer("ckpt_reps", 3, "Timed checkpoint saves of each kind (median), after the warm-up saves.")
+flags.DEFINE_integer("ckpt_warmup", 2, "Untimed saves of each kind first (first-save setup, allocator warm-up).")
 FLAGS = flags.FLAGS
 
 
@@ -66,32 +72,37 @@ def bench_model(name: str) -> dict:
     tokens = FLAGS.steps * batch["inputs"].size
     tps = tokens / dt
     peak = loop.peak_flops_per_device() * mesh.size
+    fields = {f: getattr(state, f) for f in ("step", "params", "rest", "opt_state", "skipped", "skipped_total")}
     with tempfile.TemporaryDirectory() as d:
-        fields = {f: getattr(state, f) for f in ("step", "params", "rest", "opt_state", "skipped", "skipped_total")}
+        sync_s, blocked_s, async_s = [], [], []
         sync = Checkpointer(os.path.join(d, "sync"), cfg.model_copy(update={"async_checkpointing": False}))
-        t = time.perf_counter()
-        sync.save(1, fields, it, {"step": 1}, force=True)
-        sync.wait()
-        save_s = time.perf_counter() - t
+        n = FLAGS.ckpt_warmup + FLAGS.ckpt_reps
+        for k in range(n):
+            t = time.perf_counter()
+            sync.save(k + 1, fields, it, {"step": k + 1}, force=True)
+            sync_s.append(time.perf_counter() - t)
         sync.close()
         asyn = Checkpointer(os.path.join(d, "async"), cfg.model_copy(update={"async_checkpointing": True}))
-        asyn.save(1, fields, it, {"step": 1}, force=True)  # first save also creates the layout
-        asyn.wait()
-        t = time.perf_counter()
-        asyn.save(2, fields, it, {"step": 2}, force=True)
-        blocked_s = time.perf_counter() - t
+        for k in range(n):
+            t = time.perf_counter()
+            asyn.save(k + 1, fields, it, {"step": k + 1}, force=True)  # returns once the state is copied
+            blocked_s.append(time.perf_counter() - t)
+            asyn.wait()  # committed on disk
+            async_s.append(time.perf_counter() - t)
         asyn.close()
+    save_s, blocked, async_total = (float(np.median(x[FLAGS.ckpt_warmup:])) for x in (sync_s, blocked_s, async_s))
     per_device = planned_bytes(mem)
     return {"model": name, "params_M": count_params(cfg)["total"] / 1e6, "steps_per_s": FLAGS.steps / dt,
             "tokens_per_s": tps, "mfu": tps * training_flops_per_token(cfg) / peak, "data_wait_frac": wait / dt,
-            "ckpt_save_s": save_s, "ckpt_blocked_s": blocked_s, "blocked_frac_of_save": blocked_s / save_s,
+            "ckpt_save_s": save_s, "ckpt_blocked_s": blocked, "blocked_frac_of_save": blocked / save_s,
+            "ckpt_async_total_s": async_total, "ckpt_each_save_s": sync_s, "ckpt_each_blocked_s": blocked_s,
             "mem_per_device_MiB": per_device / 2**20}
 
 
 def main(argv):
     rows = [bench_model(n) for n in FLAGS.models]
     cols = ["model", "params_M", "steps_per_s", "tokens_per_s", "mfu", "data_wait_frac", "ckpt_save_s",
-            "ckpt_blocked_s", "blocked_frac_of_save", "mem_per_device_MiB"]
+            "ckpt_blocked_s", "blocked_frac_of_save", "ckpt_async_total_s", "mem_per_device_MiB"]
     print(" | ".join(f"{c:>14s}" for c in cols))
     for r in rows:
         print(" | ".join(f"{r[c]:>14.4g}" if isinstance(r[c], float) else f"{r[c]:>14s}" for c in cols))
@@ -102,7 +113,8 @@ def main(argv):
                                                                   FLAGS.out)
     with open(out, "w") as f:
         json.dump({"device": str(jax.devices()[0].device_kind), "num_devices": jax.device_count(),
-                   "steps": FLAGS.steps, "seq": FLAGS.seq, "batch": FLAGS.batch, "rows": rows, "targets": targets},
+                   "steps": FLAGS.steps, "seq": FLAGS.seq, "batch": FLAGS.batch, "ckpt_warmup": FLAGS.ckpt_warmup,
+                   "ckpt_reps": FLAGS.ckpt_reps, "rows": rows, "targets": targets},
                   f, indent=2)
     print(f"wrote {out}")
     return 0
