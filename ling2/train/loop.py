@@ -66,6 +66,11 @@ def init_state(cfg, mesh, seed: Optional[int] = None):
     zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the step donates its state
     state = step_lib.TrainState(step=zero(), params=params, rest=rest, opt_state=opt_state, skipped=zero(),
                                 skipped_total=zero())
+    # Counters (and optax's count) come out on one device: replicate them over the mesh, or a state
+    # restored across processes lands on devices the step's other inputs do not share.
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    state = jax.tree.map(lambda x: x if isinstance(x.sharding, jax.sharding.NamedSharding)
+                         else jax.device_put(x, replicated, may_alias=False), state)
     return gd, tx, sched, state
 
 
