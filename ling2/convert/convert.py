@@ -9,17 +9,19 @@ A converted Ling2 checkpoint directory holds
                in the model's dtype and Ling2 shape (scanned leaves stacked [group, ...])
 `load_state` restores it into the model's own key structure for `nnx.replace_by_pure_dict`;
 it also reads a trainer step directory ({run}/checkpoints/{step}, orbax item `state` holding
-params + rest). hf_to_ling2 lays out every header first, then reads each HF tensor once and
-writes its Ling2 block (one expert, one scan group) straight to its file offset; ling2_to_hf
-reads each block back alone and writes HF shards the same way. Peak memory is one HF tensor
-and its transposed copy, whatever the model size (a trainer step directory is still
-restored whole by orbax).
+params + rest). Leaf shapes come from the config (shapes.py), not from tracing the model.
+hf_to_ling2 lays out every header first, then reads each HF tensor once (a view of the mapped
+file) and writes its Ling2 block (one expert, one scan group) straight to its file offset, in
+file order; ling2_to_hf reads each block back alone and writes HF shards the same way (see
+safetensors_io for the threads and buffers). Peak memory is about one HF tensor plus a few
+small buffers, whatever the model size (a trainer step directory is still restored whole by
+orbax).
 """
 
-import functools
 import json
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -29,9 +31,9 @@ from flax import nnx
 from tqdm import tqdm
 
 from ling2.config import load_config, to_yaml
-from ling2.convert import hf_config, mapping
+from ling2.convert import hf_config, mapping, shapes
 from ling2.convert.safetensors_io import INDEX_NAME, PlannedWriter, ShardedReader
-from ling2.layers.mtp import DecoderWithMTP, build_mtp
+from ling2.layers.mtp import build_mtp
 
 CONFIG_NAME = "config.yml"
 STATE_NAME = "state"
@@ -65,16 +67,14 @@ def _key(path) -> str:
     return "/".join(map(str, path))
 
 
+class Leaf(NamedTuple):
+    shape: tuple
+    dtype: np.dtype
+
+
 def abstract_state(cfg) -> dict:
-    """{path: jax.ShapeDtypeStruct} of every Variable of DecoderWithMTP(cfg), nothing allocated."""
-    return dict(_abstract_state(to_yaml(cfg)))
-
-
-@functools.lru_cache(maxsize=4)
-def _abstract_state(cfg_yaml: str) -> tuple:  # tracing the model takes ~1 s at ling2-small: once per config
-    cfg = load_config(yaml.safe_load(cfg_yaml))
-    model = jax.eval_shape(lambda: DecoderWithMTP(cfg, rngs=nnx.Rngs(cfg.seed)))
-    return tuple(_flat(nnx.to_pure_dict(nnx.state(model))).items())
+    """{path: Leaf(shape, dtype)} of every Variable of DecoderWithMTP(cfg), from the config (no tracing)."""
+    return {p: Leaf(s, d) for p, (s, d) in shapes.leaf_specs(cfg).items()}
 
 
 def read_hf_config(hf_dir) -> dict:
@@ -127,6 +127,8 @@ def _plan(reader, cfg, layout: str, allow_missing_mtp: bool):
 def _hf_to_sink(reader, cfg, layout, sink, allow_missing_mtp, progress, plan=None) -> None:
     """Reads every HF tensor once and hands its Ling2 block to `sink.add(key, block, index)`."""
     leaves, todo, skip_mtp = plan or _plan(reader, cfg, layout, allow_missing_mtp)
+    rank = {p: i for i, p in enumerate(dict.fromkeys(e.path for e, _ in todo))}  # the order _state_writer plans
+    todo = sorted(todo, key=lambda t: (rank[t[0].path], t[0].index))  # so blocks arrive in file order
     for e, name in tqdm(todo, desc="hf->ling2", unit="tensor", disable=not progress):
         leaf = leaves[e.path]
         sink.add(_key(e.path), mapping.to_ling2(e, reader.read(name, copy=False), leaf.shape), e.index)
@@ -200,7 +202,7 @@ def read_config(path, *overrides):
     path = Path(path)
     if not path.is_file():
         raise ConversionError(f"{path}: Ling2 config not found")
-    return load_config(yaml.safe_load(path.read_text()), *overrides)
+    return load_config(yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)), *overrides)
 
 
 def _state_writer(out_dir, cfg, leaves: dict, order=()) -> PlannedWriter:
@@ -311,10 +313,10 @@ def convert_hf_to_ling2(hf_dir, out_dir, *, scan_layers: bool = False, dtype: st
 def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "bailing", config=None, dtype: str = "",
                         shard_bytes: int = 2 << 30, progress: bool = True) -> dict:
     """Ling2 checkpoint directory -> HF directory (shards, index, config.json); returns the index."""
-    cfg = read_config(config or Path(ckpt_dir) / CONFIG_NAME)
     saved = Path(ckpt_dir) / CONFIG_NAME
+    cfg = read_config(config or saved)
     if (Path(ckpt_dir) / STATE_NAME / INDEX_NAME).is_file() and (
-            not saved.is_file() or read_config(saved).scan_layers == cfg.scan_layers):
+            config is None or not saved.is_file() or read_config(saved).scan_layers == cfg.scan_layers):
         state = ShardedReader(Path(ckpt_dir) / STATE_NAME)  # streamed: one block in memory at a time
     else:
         state = load_state(ckpt_dir, cfg)

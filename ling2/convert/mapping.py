@@ -12,6 +12,8 @@ MTP depth k is HF layer num_hidden_layers + k.
 
 from typing import NamedTuple
 
+import math
+
 import numpy as np
 
 from ling2.layers.decoder import scan_plan
@@ -31,7 +33,7 @@ def hf_shape(e: Entry, leaf_shape: tuple) -> tuple:
     s = tuple(leaf_shape[len(e.index):])
     if e.nin == 0:
         return s
-    return (int(np.prod(s[e.nin:])), int(np.prod(s[:e.nin])))
+    return (math.prod(s[e.nin:]), math.prod(s[:e.nin]))
 
 
 def to_ling2(e: Entry, w: np.ndarray, leaf_shape: tuple) -> np.ndarray:

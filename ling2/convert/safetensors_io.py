@@ -5,15 +5,22 @@ File format (safetensors spec): an 8-byte little-endian header length N, N bytes
 spaces to 8 bytes, then the raw little-endian bytes (offsets are relative to the data
 start). A sharded checkpoint adds `model.safetensors.index.json`:
 {"metadata": {"total_size": bytes}, "weight_map": {name: shard file}}. Reading a tensor
-(or one leading-index block of it) seeks to its bytes only, so memory stays at one tensor;
-`PlannedWriter` lays out every header first and writes each tensor (or block) straight to
-its offset, so writing buffers nothing either; bf16 uses ml_dtypes.
+(or one leading-index block of it) returns a view of its bytes in a mapping of the whole
+shard; pages read are dropped from the process every RELEASE bytes, so memory stays at about
+one tensor. `PlannedWriter` lays out every header first and writes each tensor (or block)
+straight to its offset with pwrite, transposing through a small buffer on worker threads
+(numpy copies and pwrite release the GIL), so writing buffers little either; bf16 uses
+ml_dtypes.
 """
 
+import collections
 import json
+import math
 import mmap
 import os
 import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ml_dtypes
@@ -29,6 +36,11 @@ DTYPES = {
 }
 CODES = {v: k for k, v in DTYPES.items()}
 CHUNK = 4 << 20  # bytes PlannedWriter copies at a time through its buffer
+WINDOW = 4 << 20  # ShardedReader maps the pages of a shard's WINDOW-aligned windows as tensors in them are read
+RELEASE = 16 << 20  # bytes of windows mapped before ShardedReader unmaps them all (they stay in the page cache)
+THREADS = 2  # PlannedWriter's writer threads
+RUN = 1 << 20  # PlannedWriter gathers smaller blocks bound for consecutive offsets into one write of up to this
+MADV_POPULATE_READ = 22  # Linux >= 5.14; not in python's mmap module
 
 
 class SafetensorsError(ValueError):
@@ -66,7 +78,7 @@ class ShardedReader:
             files, weight_map = [SINGLE_NAME], None
         else:
             raise SafetensorsError(f"{self.dir}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
-        self.entries, self.files = {}, {}  # name -> (file, dtype, shape, begin, end); path -> open file
+        self.entries, self.maps, self.mapped = {}, {}, set()  # name -> (file, dtype, shape, begin, end); path -> mmap
         for file in files:
             path = self.dir / file
             if not path.is_file():
@@ -91,28 +103,41 @@ class ShardedReader:
     def read(self, name: str, index: tuple = (), copy: bool = True) -> np.ndarray:
         """The tensor, or its block `tensor[index]` for leading indices `index` (read alone).
 
-        copy=False returns a read-only view of the file (mmap): no bytes copied, pages are
-        read as they are touched and leave memory with the view.
+        copy=False returns a read-only view of the file (mmap): no bytes copied; the pages of its
+        WINDOWs are mapped now, and unmapped again once RELEASE bytes of windows are mapped.
         """
         path, dtype, shape, b, e = self.entries[name]
-        if (e - b) != int(np.prod(shape)) * dtype.itemsize:
+        if (e - b) != math.prod(shape) * dtype.itemsize:
             raise SafetensorsError(f"{path}: tensor {name} bytes [{b}, {e}) do not hold {shape} {dtype}")
         block = shape[len(index):]
-        n = int(np.prod(block)) * dtype.itemsize
+        n = math.prod(block) * dtype.itemsize
         if index:
             b += int(np.ravel_multi_index(index, shape[:len(index)])) * n
-        if path not in self.files:  # one open file per shard (an open per tensor costs ~0.1 ms)
-            self.files[path] = open(path, "rb")
-        f = self.files[path]
-        size = os.fstat(f.fileno()).st_size
+        if path not in self.maps:  # one mapping per shard, made once (a mapping per tensor costs ~30 us)
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else None
+            self.maps[path] = (mm, size)
+        mm, size = self.maps[path]
         if b + n > size:
             raise SafetensorsError(f"{path}: tensor {name} is cut short at byte {size}")
         if n == 0:
             return np.empty(block, dtype)
-        start = b - b % mmap.ALLOCATIONGRANULARITY
-        mm = mmap.mmap(f.fileno(), b + n - start, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                       prot=mmap.PROT_READ, offset=start)  # populate: one fault per tensor, not per page
-        view = np.frombuffer(mm, dtype=dtype, count=n // dtype.itemsize, offset=b - start).reshape(block)
+        mine = {(path, w) for w in range(b // WINDOW, (b + n - 1) // WINDOW + 1)}
+        windows = mine - self.mapped
+        if windows and self.mapped and len(self.mapped | windows) * WINDOW > RELEASE:
+            for m, _ in self.maps.values():  # unmap the pages read so far; views still in use fault them back in
+                if m is not None:
+                    m.madvise(mmap.MADV_DONTNEED)
+            windows, self.mapped = mine, set()
+        if windows:  # one call maps the missing windows' pages: ~3x faster than faulting them in
+            self.mapped |= windows
+            lo, hi = min(w for _, w in windows) * WINDOW, min(size, (max(w for _, w in windows) + 1) * WINDOW)
+            try:
+                mm.madvise(MADV_POPULATE_READ, lo, hi - lo)
+            except OSError:  # an older kernel: the pages fault in as they are read
+                pass
+        view = np.frombuffer(mm, dtype=dtype, count=n // dtype.itemsize, offset=b).reshape(block)
         return np.array(view) if copy else view
 
 
@@ -171,19 +196,51 @@ class ShardedWriter:
         return index
 
 
+def _transposed(a: np.ndarray):
+    """`a` as a 2-D view [R, C] whose transpose [C, R] is C-contiguous (e.g. w.T.reshape(...) of a C-contiguous
+    w), or None."""
+    for k in range(1, a.ndim):
+        try:
+            m = a.reshape(math.prod(a.shape[:k]), -1, copy=False)
+        except ValueError:
+            continue
+        if m.T.flags.c_contiguous:
+            return m
+    return None
+
+
+def _transpose_into(out_RC: np.ndarray, x_CR: np.ndarray) -> None:
+    """out = x.T (with a same-kind cast). numpy walks `x` down its columns, ~1 GB/s once `out` has many rows;
+    16 rows of `x` at a time keep its reads in cache (~2-3 GB/s). A small `x` (in cache): one call is faster."""
+    R, C = out_RC.shape
+    if R < 128 and R * C <= 1 << 16:
+        np.copyto(out_RC, x_CR.T, casting="same_kind")
+        return
+    for j in range(0, C, 16):
+        np.copyto(out_RC[:, j:j + 16], x_CR[j:j + 16].T, casting="same_kind")
+
+
+def _pwrite(fd: int, data, offset: int) -> None:
+    mv = memoryview(data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) else data)
+    while mv:
+        n = os.pwrite(fd, mv, offset)
+        mv, offset = mv[n:], offset + n
+
+
 class PlannedWriter:
     """Sharded safetensors whose tensors (name, shape, dtype) are all known before any is written.
 
     The constructor splits `specs` into shards of at most `shard_bytes` (a larger tensor gets
     its own), writes every header and sizes every file; `add(name, a, index)` then writes `a`
     as `tensor[index]` (leading indices, so a contiguous block) at its offset, in any order.
-    A block that is not C-contiguous in the planned dtype (a transposed view, a cast) is
-    copied through one reusable buffer of about CHUNK bytes, a few rows at a time, so
-    memory stays at that buffer. `close()` checks every byte was written and
-    writes the index json.
+    Writes run on `threads` worker threads (0: in the caller), at most 2 * threads queued, each
+    holding its array until written. A block that is not C-contiguous in the planned dtype (a
+    transposed view, a cast) is copied through a per-thread buffer of about CHUNK bytes (at
+    least 128 rows of a transposed block), a few rows at a time. `close()` waits for the
+    writes, checks every byte was written and writes the index json.
     """
 
-    def __init__(self, directory, specs, shard_bytes: int = 2 << 30):
+    def __init__(self, directory, specs, shard_bytes: int = 2 << 30, threads: int | None = None):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         groups, size = [[]], 0
@@ -191,13 +248,13 @@ class PlannedWriter:
             dtype = np.dtype(dtype)
             if dtype not in CODES:
                 raise SafetensorsError(f"{self.dir}: tensor {name} has unsupported dtype {dtype}")
-            nbytes = int(np.prod(shape)) * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
             if groups[-1] and size + nbytes > shard_bytes:
                 groups, size = groups + [[]], 0
             groups[-1].append((name, tuple(shape), dtype, nbytes))
             size += nbytes
-        self.where, self.files, self.weight_map = {}, [], {}
-        self.total, self.written, self.buf = 0, 0, np.empty(CHUNK, np.uint8)
+        self.where, self.fds, self.weight_map = {}, [], {}
+        self.total, self.written = 0, 0
         for i, group in enumerate(groups):
             file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
             header, offset = {}, 0
@@ -207,48 +264,120 @@ class PlannedWriter:
             header["__metadata__"] = {"format": "pt"}
             raw = json.dumps(header, separators=(",", ":")).encode()
             raw += b" " * (-len(raw) % 8)
-            f = open(self.dir / file, "wb")
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            f.truncate(8 + len(raw) + offset)
-            self.files.append(f)
+            fd = os.open(self.dir / file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            _pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+            os.ftruncate(fd, 8 + len(raw) + offset)
+            self.fds.append(fd)
             for name, shape, dtype, _ in group:
-                self.where[name] = (f, shape, dtype, 8 + len(raw) + header[name]["data_offsets"][0])
+                self.where[name] = (fd, shape, dtype, 8 + len(raw) + header[name]["data_offsets"][0])
                 self.weight_map[name] = file
             self.total += offset
+        threads = THREADS if threads is None else threads
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="PlannedWriter") if threads else None
+        self.queued, self.queue_max, self.local = collections.deque(), 2 * threads, threading.local()
+        self.run = None  # small blocks bound for consecutive offsets, not yet submitted
 
     def add(self, name: str, a: np.ndarray, index: tuple = ()) -> None:
         """Writes `a` (any strides; cast to the planned dtype) as tensor[index]."""
         if name not in self.where:
             raise SafetensorsError(f"{self.dir}: tensor {name} was not planned")
-        f, shape, dtype, offset = self.where[name]
+        fd, shape, dtype, offset = self.where[name]
         a = np.asarray(a)
         block = shape[len(index):]
         if a.shape != block or not np.can_cast(a.dtype, dtype, "same_kind"):
             raise SafetensorsError(f"{self.dir}: tensor {name}{list(index)} is {a.shape} {a.dtype}, "
                                    f"planned {block} {dtype}")
-        nbytes = int(np.prod(block)) * dtype.itemsize
+        nbytes = math.prod(block) * dtype.itemsize
         if index:
             offset += int(np.ravel_multi_index(index, shape[:len(index)])) * nbytes
-        f.seek(offset)
-        if a.dtype == dtype and a.flags.c_contiguous:
-            f.write(a.reshape(-1).view(np.uint8))
-        else:
-            rows = max(1, CHUNK // max(1, a[0].nbytes))
-            for i in range(0, len(a), rows):
-                part = a[i:i + rows]
-                size = part.size * dtype.itemsize
-                if self.buf.nbytes < size:
-                    self.buf = np.empty(size, np.uint8)
-                np.copyto(self.buf[:size].view(dtype).reshape(part.shape), part, casting="same_kind")
-                f.write(self.buf[:size])
         self.written += nbytes
+        if nbytes == 0:
+            return
+        if self.run and (self.run[0] != fd or self.run[2] != offset or self.run[3] + nbytes > RUN):
+            self._flush_run()
+        if nbytes >= RUN:
+            self._submit(self._write, fd, offset, a, dtype)
+            return
+        if not self.run:
+            self.run = [fd, offset, offset, 0, []]  # fd, start, end, bytes, [(block, dtype)]
+        self.run[2] += nbytes
+        self.run[3] += nbytes
+        self.run[4].append((a, dtype))
+
+    def _flush_run(self) -> None:
+        if self.run:
+            fd, start, _, nbytes, blocks = self.run
+            self.run = None
+            self._submit(self._write_run, fd, start, nbytes, blocks)
+
+    def _submit(self, fn, *args) -> None:
+        if self.pool is None:
+            fn(*args)
+            return
+        while len(self.queued) >= self.queue_max:
+            self.queued.popleft().result()
+        self.queued.append(self.pool.submit(fn, *args))
+
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        buf = getattr(self.local, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self.local.buf = np.empty(max(nbytes, CHUNK), np.uint8)
+        return buf[:nbytes]
+
+    @staticmethod
+    def _fill(out: np.ndarray, a: np.ndarray) -> None:
+        """out[...] = a (out C-contiguous, same shape; a same-kind cast), transposing in tiles where `a` is a
+        transposed view."""
+        t = None if a.ndim < 2 or a.flags.c_contiguous else _transposed(a)
+        if t is None:
+            np.copyto(out, a, casting="same_kind")
+        else:
+            _transpose_into(out.reshape(t.shape), t.T)
+
+    def _write_run(self, fd: int, start: int, nbytes: int, blocks: list) -> None:
+        """Blocks bound for consecutive offsets: gathered in the buffer, written with one pwrite."""
+        buf, pos = self._buffer(nbytes), 0
+        for a, dtype in blocks:
+            n = a.size * dtype.itemsize
+            self._fill(buf[pos:pos + n].view(dtype).reshape(a.shape), a)
+            pos += n
+        _pwrite(fd, buf, start)
+
+    def _write(self, fd: int, offset: int, a: np.ndarray, dtype: np.dtype) -> None:
+        """One large block: written as it is when C-contiguous in `dtype`, else in strips through the buffer."""
+        if a.dtype == dtype and a.flags.c_contiguous:
+            _pwrite(fd, a, offset)
+            return
+        t = _transposed(a) if a.ndim > 1 else None
+        if t is not None:  # [R, C] rows in strips of >= 128 rows, each transposed from x = t.T in tiles
+            R, C = t.shape
+            rows = min(R, max(128, CHUNK // max(1, C * dtype.itemsize)))
+            for i in range(0, R, rows):
+                out = self._buffer(min(rows, R - i) * C * dtype.itemsize).view(dtype).reshape(-1, C)
+                _transpose_into(out, t.T[:, i:i + rows])
+                _pwrite(fd, out, offset + i * C * dtype.itemsize)
+            return
+        rows = max(1, CHUNK // max(1, a[0].nbytes))
+        for i in range(0, len(a), rows):
+            part = a[i:i + rows]
+            out = self._buffer(part.size * dtype.itemsize).view(dtype).reshape(part.shape)
+            np.copyto(out, part, casting="same_kind")
+            _pwrite(fd, out, offset + i * (a.size // len(a)) * dtype.itemsize)
+
+    def _drain(self) -> None:
+        while self.queued:
+            self.queued.popleft().result()
 
     def close(self) -> dict:
-        """Closes the shards and writes the index; returns it."""
+        """Waits for the queued writes, closes the shards and writes the index; returns it."""
+        self._flush_run()
+        self._drain()
         if self.written != self.total:  # the files stay open: the missing blocks may still be added
             raise SafetensorsError(f"{self.dir}: {self.written} of {self.total} planned bytes written")
-        for f in self.files:
-            f.close()
+        if self.pool is not None:
+            self.pool.shutdown()
+        for fd in self.fds:
+            os.close(fd)
         index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(self.weight_map.items()))}
         (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         return index

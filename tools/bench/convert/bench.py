@@ -8,8 +8,10 @@ subprocess (a fresh python, like the CLI), --repeats times interleaved, each aft
 startup excluded, as for the copy) and reports its peak RSS (VmHWM) and its RSS right
 before converting (python + jax + numpy, no tensors). All files are in the page cache for
 both the copy and the conversions. The round trip is checked tensor by tensor. A conversion's
-time includes tracing the model for its leaf shapes (jax.eval_shape, a fixed ~0.5-1 s whatever
-the model's size); it is also reported apart ("trace"), with the ratio of the rest ("stream").
+time is everything convert_hf_to_ling2 / convert_ling2_to_hf do: loading the config, the leaf
+shapes (from the config, ling2/convert/shapes.py; also timed alone beforehand, "shapes"),
+planning, every write and closing the files (like the copy, no fsync); "stream" is the ratio
+of that time less "shapes".
 
 Memory target: peak RSS <= 3x the largest single layer's bytes, a "layer" being one unit of
 the HF checkpoint: decoder layer i (every model.layers.{i}.* tensor, MTP layers included), or
@@ -52,23 +54,25 @@ def child(args) -> None:
 
     convert.read_config(args.cfg)  # imports and config loading stay outside the timing
     before = _status_bytes("VmRSS")
-    t0 = time.perf_counter()  # tracing the model for its shapes: a fixed cost, timed apart (then cached)
+    t0 = time.perf_counter()  # the config and leaf shapes alone, for the table (the conversion does them again)
     if args.child == "hf_to_ling2":
         hf = convert.read_hf_config(args.src)
         convert.abstract_state(hf_config.load_ling2_config(hf, hf_config.detect_layout(hf), {
             "scan_layers": args.scan_layers, "weight_dtype": convert.DTYPES[args.dtype]}))
     else:
         convert.abstract_state(convert.read_config(Path(args.src) / convert.CONFIG_NAME))
-    trace = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    shapes = time.perf_counter() - t0
+    t0, c0 = time.perf_counter(), os.times()
     if args.child == "hf_to_ling2":
         convert.convert_hf_to_ling2(args.src, args.dst, scan_layers=args.scan_layers, dtype=args.dtype,
                                     progress=False)
     else:
         convert.convert_ling2_to_hf(args.src, args.dst, shard_bytes=args.shard_mb << 20, progress=False)
-    seconds = time.perf_counter() - t0
+    seconds, c1 = time.perf_counter() - t0, os.times()
     peak = _status_bytes("VmHWM")
-    print("RESULT " + json.dumps({"seconds": seconds + trace, "trace_seconds": trace, "rss_before": before, "peak_rss": peak}))
+    cpu = c1.user - c0.user + c1.system - c0.system
+    print("RESULT " + json.dumps({"seconds": seconds, "shapes_seconds": shapes, "cpu_seconds": cpu,
+                                 "rss_before": before, "peak_rss": peak}))
 
 
 def write_hf(directory: Path, cfg, dtype, shard_bytes: int, seed: int = 0) -> dict:
@@ -152,7 +156,7 @@ def main(argv=None) -> int:
         shutil.rmtree(wd / "copy")
         copy_s = min(copies)
         fwd, bwd = (min(rs, key=lambda r: r["seconds"]) | {"peak_rss": max(r["peak_rss"] for r in rs),
-                                                           "stream_seconds": min(r["seconds"] - r["trace_seconds"]
+                                                           "stream_seconds": min(r["seconds"] - r["shapes_seconds"]
                                                                                  for r in rs),
                                                            "all_seconds": [r["seconds"] for r in rs]}
                     for rs in (fwds, bwds))
@@ -172,7 +176,8 @@ def main(argv=None) -> int:
     rows = []
     for name, r in (("hf_to_ling2", fwd), ("ling2_to_hf", bwd)):
         rows.append({"direction": name, "seconds": r["seconds"], "all_seconds": r["all_seconds"], "wall_seconds_with_startup": r["wall_seconds"],
-                     "trace_seconds": r["trace_seconds"], "stream_seconds": r["stream_seconds"],
+                     "shapes_seconds": r["shapes_seconds"], "cpu_seconds": r["cpu_seconds"],
+                     "stream_seconds": r["stream_seconds"],
                      "gb_per_s": gbps(r["seconds"]), "ratio_to_copy": gbps(r["seconds"]) / gbps(copy_s),
                      "stream_ratio_to_copy": copy_s / r["stream_seconds"],
                      "peak_rss_bytes": r["peak_rss"], "rss_before_bytes": r["rss_before"],
@@ -196,12 +201,12 @@ def main(argv=None) -> int:
     print(f"\n{args.model} ({args.dtype}, scan_layers={args.scan_layers}): {mb(nbytes)} in {len(files)} shards, "
           f"{len(a.names())} tensors; largest layer {unit} = {mb(unit_bytes)} "
           f"(largest decoder layer {layer[0]} = {mb(layer[1])})")
-    print(f"{'':14}{'seconds':>9}{'GB/s':>8}{'vs copy':>9}{'trace s':>9}{'stream vs copy':>16}{'peak RSS':>10}"
+    print(f"{'':14}{'seconds':>9}{'GB/s':>8}{'vs copy':>9}{'shapes s':>9}{'CPU s':>7}{'stream vs copy':>16}{'peak RSS':>10}"
           f"{'RSS before':>12}{'peak/layer':>12}{'(peak-before)/layer':>21}")
     print(f"{'file copy':14}{copy_s:9.2f}{gbps(copy_s):8.2f}{1.0:9.2f}")
     for r in rows:
         print(f"{r['direction']:14}{r['seconds']:9.2f}{r['gb_per_s']:8.2f}{r['ratio_to_copy']:9.2f}"
-              f"{r['trace_seconds']:9.2f}{r['stream_ratio_to_copy']:16.2f}"
+              f"{r['shapes_seconds']:9.2f}{r['cpu_seconds']:7.2f}{r['stream_ratio_to_copy']:16.2f}"
               f"{mb(r['peak_rss_bytes']):>10}{mb(r['rss_before_bytes']):>12}{r['peak_over_layer']:12.2f}"
               f"{r['peak_above_before_over_layer']:21.2f}")
     out = Path(args.out)
