@@ -267,6 +267,9 @@ class GPTDataset:
                 with open(f"{base}-description.txt", "w") as f:
                     f.write(self.description)
         self.document_index, self.sample_index, self.shuffle_index = doc, sample, shuffle
+        if self.source != "built":  # read once, every sample: reads then need no checks
+            for c in range(0, len(sample) - 1, 4096):
+                self._check(np.arange(c, min(c + 4096, len(sample) - 1)))
         if num_samples is not None and len(self) < num_samples:
             raise ValueError(f"{dataset.prefix}: {len(self)} samples < requested {num_samples}")
 
@@ -282,6 +285,8 @@ class GPTDataset:
         if int(sample[:, 0].max()) >= doc.shape[0] or int(sample[:, 0].min()) < 0:
             raise ValueError(f"{base}-sample_index.npy: position outside the document index "
                              f"[0, {doc.shape[0]})")
+        if shuffle.size and int(shuffle.min()) < 0:
+            raise ValueError(f"{base}-shuffle_index.npy: negative entry")
 
     def __len__(self) -> int:
         return int(self.shuffle_index.shape[0])
@@ -292,62 +297,66 @@ class GPTDataset:
     def samples(self, ids, dtype=np.int64) -> np.ndarray:
         """dataset[i] for every i in `ids` as one [len(ids), seq_length + add] array."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        return self.read(np.asarray(self.shuffle_index[ids], dtype=np.int64), dtype)
+        return self._read(np.asarray(self.shuffle_index[ids], dtype=np.int64), dtype)
 
     def sample(self, j: int, dtype=np.int64) -> np.ndarray:
-        """Pre-shuffle sample j: seq_length + add tokens (`read` of one, in Python scalars)."""
+        """Pre-shuffle sample j: seq_length + add tokens (`_read` of one, in Python scalars)."""
         ds, n, want = self.dataset, len(self.sample_index) - 1, self.seq_length + self.add
         if not 0 <= j < n:
             raise IndexError(f"{ds.prefix}: sample ids must be in [0, {n})")
         (b, bo), (e, eo) = self.sample_index[j:j + 2].tolist()
         seqs, item = self.document_index[b:e + 1].tolist(), ds.dtype.itemsize
         orig = (ds.sequence_pointers[seqs] // item).tolist()
-        size = ds.sequence_lengths[seqs].tolist()
-        starts, ends = orig.copy(), [p + m for p, m in zip(orig, size)]
+        ends = [p + m for p, m in zip(orig, ds.sequence_lengths[seqs].tolist())]
+        starts = orig.copy()
         if seqs:
             starts[0] += bo
             ends[-1] = orig[-1] + eo + self.add
-        for s, t, p, m, q in zip(starts, ends, orig, size, seqs):
-            if not p <= s <= t <= p + m:
-                raise ValueError(f"{ds.prefix}: sample {j} reads tokens [{s - p}, {t - p}) of "
-                                 f"sequence {q} of length {m}: the sample index does not fit "
-                                 "this dataset")
-        total = sum(ends) - sum(starts)
-        if total > want or (total < want and j != n - 1):
-            raise ValueError(f"{ds.prefix}: sample {j} has {total} tokens, want {want}: the "
-                             "sample index does not fit this dataset")
-        got = self._join([s * item for s in starts], [t * item for t in ends])
-        if total == want:
+        got = self._join([x * item for pair in zip(starts, ends) for x in pair])
+        if got.size == want:
             return got.astype(dtype, copy=False)
         out = np.full(want, self.pad_id, dtype=dtype)  # a keep-partial last sample
-        out[:total] = got
+        out[:got.size] = got
         return out
 
     def read(self, js: np.ndarray, dtype=np.int64) -> np.ndarray:
-        """Pre-shuffle samples `js` as [len(js), seq_length + add] `dtype` tokens.
-
-        Each sample is a run of pieces (slices of sequences). Their bounds are computed
-        vectorised and checked against the sequences they come from; then `_join` copies
-        every piece with no Python bytecode or numpy call per piece.
-        """
-        ds, n, want = self.dataset, len(self.sample_index) - 1, self.seq_length + self.add
+        """Pre-shuffle samples `js` as [len(js), seq_length + add] `dtype` tokens."""
+        js = np.asarray(js, dtype=np.int64).reshape(-1)
+        n = len(self.sample_index) - 1
         if js.size and (int(js.min()) < 0 or int(js.max()) >= n):
-            raise IndexError(f"{ds.prefix}: sample ids must be in [0, {n})")
+            raise IndexError(f"{self.dataset.prefix}: sample ids must be in [0, {n})")
+        return self._read(js, dtype)
+
+    def _pieces(self, js: np.ndarray):
+        """Every piece (a slice of one sequence) of samples `js`, vectorised over the batch:
+        token bounds [starts, ends) in the `.bin`, each sample's first piece and total length,
+        and the pieces' sequences with their start and length (for `_check`)."""
+        ds = self.dataset
         beg, end = self.sample_index[js], self.sample_index[js + 1]
         n_pieces = end[:, 0] - beg[:, 0] + 1
-        if js.size and int(n_pieces.min()) < 1:
-            r = int(np.argmin(n_pieces))
-            raise ValueError(f"{ds.prefix}: sample {js[r]} ends at document-index position "
-                             f"{end[r, 0]} before it starts at {beg[r, 0]}")
         first = np.cumsum(n_pieces) - n_pieces
-        last = first + n_pieces - 1
         pos = np.repeat(beg[:, 0] - first, n_pieces) + np.arange(int(n_pieces.sum()))
         seqs = self.document_index[pos]
         orig = ds.sequence_pointers[seqs] // ds.dtype.itemsize
         size = ds.sequence_lengths[seqs].astype(np.int64)
         starts, ends = orig.copy(), orig + size
         starts[first] += beg[:, 1]
+        last = first + n_pieces - 1
         ends[last] = orig[last] + end[:, 1] + self.add
+        totals = np.add.reduceat(ends - starts, first) if starts.size else np.zeros(js.size, np.int64)
+        return starts, ends, first, totals, (n_pieces, seqs, orig, size)
+
+    def _check(self, js: np.ndarray) -> None:
+        """Raises ValueError unless samples `js` read only inside their own sequences and each
+        has seq_length + add tokens (fewer only for the last, keep-partial, sample)."""
+        ds, n, want = self.dataset, len(self.sample_index) - 1, self.seq_length + self.add
+        n_pieces = self.sample_index[js + 1, 0] - self.sample_index[js, 0] + 1
+        if js.size and int(n_pieces.min()) < 1:
+            r = int(np.argmin(n_pieces))
+            raise ValueError(f"{ds.prefix}: sample {js[r]} ends at document-index position "
+                             f"{self.sample_index[js[r] + 1, 0]} before it starts at "
+                             f"{self.sample_index[js[r], 0]}")
+        starts, ends, first, totals, (_, seqs, orig, size) = self._pieces(js)
         bad = np.flatnonzero((starts < orig) | (starts > ends) | (ends > orig + size))
         if bad.size:  # never read outside the sequence a piece belongs to
             k = int(bad[0])
@@ -355,23 +364,26 @@ class GPTDataset:
                 f"{ds.prefix}: sample {js[np.searchsorted(first, k, 'right') - 1]} reads tokens "
                 f"[{starts[k] - orig[k]}, {ends[k] - orig[k]}) of sequence {seqs[k]} of length "
                 f"{size[k]}: the sample index does not fit this dataset")
-        lens = ends - starts
-        totals = np.add.reduceat(lens, first) if lens.size else np.zeros(js.size, np.int64)
         bad = np.flatnonzero((totals > want) | ((totals < want) & (js != n - 1)))
         if bad.size:
             raise ValueError(f"{ds.prefix}: sample {js[bad[0]]} has {totals[bad[0]]} tokens, "
                              f"want {want}: the sample index does not fit this dataset")
-        item = ds.dtype.itemsize
-        got = self._join((starts * item).tolist(), (ends * item).tolist())
+
+    def _read(self, js: np.ndarray, dtype) -> np.ndarray:
+        """`read` without the id check: the sample index was checked against the dataset when
+        it was loaded (`_check` on every sample), so each piece lies inside its sequence."""
+        want = self.seq_length + self.add
+        starts, ends, _, totals, _ = self._pieces(js)
+        got = self._join((np.stack((starts, ends), axis=1).ravel() * self.dataset.dtype.itemsize).tolist())
         if got.size == js.size * want:
             return got.reshape(js.size, want).astype(dtype, copy=False)
         out = np.full((js.size, want), self.pad_id, dtype=dtype)  # a keep-partial last sample
         out[np.arange(want) < totals[:, None]] = got
         return out
 
-    def _join(self, lo: list, hi: list) -> np.ndarray:
-        """Bytes [lo[k], hi[k]) of the `.bin`, concatenated, as tokens: one `bytearray.join`
-        of memoryview slices of the mmap, so every piece is copied in C."""
+    def _join(self, bounds: list) -> np.ndarray:
+        """Bytes [b[0], b[1]), [b[2], b[3]), ... of the `.bin`, concatenated, as tokens: one
+        `bytearray.join` of memoryview slices of the mmap, so every piece is copied in C."""
         mv = memoryview(self.dataset._bin).cast("B")
-        return np.frombuffer(bytearray().join(map(mv.__getitem__, map(slice, lo, hi))),
-                             dtype=self.dataset.dtype)
+        it = iter(bounds)
+        return np.frombuffer(bytearray().join(map(mv.__getitem__, map(slice, it, it))), dtype=self.dataset.dtype)

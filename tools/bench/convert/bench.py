@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ling2.config.paths import user_path
+
 
 def _status_bytes(field: str) -> int:
     """VmRSS (now) or VmHWM (peak) of this process. VmHWM starts afresh at exec, whereas
@@ -116,7 +118,8 @@ def main(argv=None) -> int:
     p.add_argument("--shard_mb", type=int, default=256, help="HF shard size (input and output)")
     p.add_argument("--repeats", type=int, default=3, help="timings are the best of this many (peak RSS: the worst)")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temporary one, removed)")
-    p.add_argument("--out", default="tools/bench/convert/results_cpu.json")
+    p.add_argument("--out", default="", help="JSON path (relative: the working directory; default: "
+                   "tools/bench/convert/results_cpu.json in the workspace)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--src", help=argparse.SUPPRESS)
     p.add_argument("--dst", help=argparse.SUPPRESS)
@@ -209,9 +212,10 @@ def main(argv=None) -> int:
               f"{r['shapes_seconds']:9.2f}{r['cpu_seconds']:7.2f}{r['stream_ratio_to_copy']:16.2f}"
               f"{mb(r['peak_rss_bytes']):>10}{mb(r['rss_before_bytes']):>12}{r['peak_over_layer']:12.2f}"
               f"{r['peak_above_before_over_layer']:21.2f}")
-    out = Path(args.out)
-    if not out.is_absolute() and "BUILD_WORKSPACE_DIRECTORY" in os.environ:
-        out = Path(os.environ["BUILD_WORKSPACE_DIRECTORY"]) / out
+    if args.out:
+        out = user_path(args.out)
+    else:
+        out = Path(os.environ.get("BUILD_WORKSPACE_DIRECTORY", ".")) / "tools/bench/convert/results_cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -30,6 +30,7 @@ import tracemalloc
 
 import numpy as np
 
+from ling2.config.paths import user_path
 from ling2.data import gpt_index, indexed, pipeline
 
 
@@ -193,9 +194,7 @@ def main(argv=None):
         name = f"pipeline {x['batch_shape']} workers={x['workers']} (batch/s)"
         print(f"{name:<44}{x['batches_per_s']:>14.1f}{x['trainer_steps_per_s']:>14.1f}"
               f"{x['ratio']:>8.1f}  {x['target']}")
-    out = a.out
-    if not os.path.isabs(out) and os.environ.get("BUILD_WORKING_DIRECTORY"):
-        out = os.path.join(os.environ["BUILD_WORKING_DIRECTORY"], out)
+    out = user_path(a.out)
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {out}")

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from ling2.config.paths import user_path
 from tools.bench.memory import planned_bytes
 
 flags.DEFINE_string("out", "train_bench.json", "JSON output path (relative: the working directory).")
@@ -109,8 +110,7 @@ def main(argv):
     targets = {"data_wait_frac < 0.05": all(r["data_wait_frac"] < 0.05 for r in rows),
                "blocked_frac_of_save < 0.10": all(r["blocked_frac_of_save"] < 0.10 for r in rows)}
     print("targets:", targets)
-    out = FLAGS.out if os.path.isabs(FLAGS.out) else os.path.join(os.environ.get("BUILD_WORKING_DIRECTORY", "."),
-                                                                  FLAGS.out)
+    out = user_path(FLAGS.out)
     with open(out, "w") as f:
         json.dump({"device": str(jax.devices()[0].device_kind), "num_devices": jax.device_count(),
                    "steps": FLAGS.steps, "seq": FLAGS.seq, "batch": FLAGS.batch, "ckpt_warmup": FLAGS.ckpt_warmup,
