@@ -26,11 +26,11 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import yaml
 from flax import nnx
 from tqdm import tqdm
 
 from ling2.config import load_config, to_yaml
+from ling2.config.loader import load_yaml
 from ling2.convert import hf_config, mapping, shapes
 from ling2.convert.safetensors_io import INDEX_NAME, PlannedWriter, ShardedReader
 from ling2.layers.mtp import build_mtp
@@ -202,7 +202,7 @@ def read_config(path, *overrides):
     path = Path(path)
     if not path.is_file():
         raise ConversionError(f"{path}: Ling2 config not found")
-    return load_config(yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)), *overrides)
+    return load_config(load_yaml(path.read_text()), *overrides)
 
 
 def _state_writer(out_dir, cfg, leaves: dict, order=()) -> PlannedWriter:
