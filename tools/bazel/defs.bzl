@@ -1,4 +1,14 @@
-"""The one test macro: a py_test that runs pytest on its file."""
+"""Macros for ling2 packages: a library of one package's modules, and the pytest test."""
+
+def ling2_py_library(name, srcs = None, deps = [], **kwargs):
+    """A py_library of a ling2 package: `srcs` (default [name + ".py"]) plus the package's
+    __init__.py, depending on the top-level ling2 package. Other arguments go to py_library."""
+    native.py_library(
+        name = name,
+        srcs = ["__init__.py"] + (srcs if srcs != None else [name + ".py"]),
+        deps = deps + ["//:ling2_pkg"],
+        **kwargs
+    )
 
 def ling2_py_test(name, srcs, deps = [], data = [], devices = 0, env = {}, args = [], size = "small", **kwargs):
     """A pytest-driven py_test.
