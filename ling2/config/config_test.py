@@ -135,6 +135,8 @@ def test_malformed_override():
     (dict(num_experts=8, n_routing_groups=8, topk_routing_group=2), "n_routing_groups"),
     (dict(ici_data_parallelism=-1, ici_fsdp_parallelism=-1), "ici_"),
     (dict(ici_tensor_parallelism=0), "ici_tensor_parallelism"),
+    (dict(attention_block_size=0), "attention_block_size"),
+    (dict(attention_kernel="flash2"), "attention_kernel"),
 ])
 def test_validation_rules_name_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field):
