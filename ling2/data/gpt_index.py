@@ -29,6 +29,7 @@ from typing import Optional
 
 import numpy as np
 
+from ling2.data import gather
 from ling2.data.indexed import IndexedDataset
 
 SPLITS = ("train", "valid", "test")
@@ -267,9 +268,8 @@ class GPTDataset:
                 with open(f"{base}-description.txt", "w") as f:
                     f.write(self.description)
         self.document_index, self.sample_index, self.shuffle_index = doc, sample, shuffle
-        if self.source != "built":  # read once, every sample: reads then need no checks
-            for c in range(0, len(sample) - 1, 4096):
-                self._check(np.arange(c, min(c + 4096, len(sample) - 1)))
+        if self.source != "built":  # loaded: check every sample now, not mid-run
+            self._check_all()
         if num_samples is not None and len(self) < num_samples:
             raise ValueError(f"{dataset.prefix}: {len(self)} samples < requested {num_samples}")
 
@@ -346,6 +346,28 @@ class GPTDataset:
         totals = np.add.reduceat(ends - starts, first) if starts.size else np.zeros(js.size, np.int64)
         return starts, ends, first, totals, (n_pieces, seqs, orig, size)
 
+    def _check_all(self) -> None:
+        """`_check` of every sample, natively when the kernel is built (~8x faster)."""
+        n = len(self.sample_index) - 1
+        for c in range(0, n, 1 << 20):
+            js = np.arange(c, min(c + (1 << 20), n))
+            if self._gather(js, None) is None:
+                for k in range(0, js.size, 4096):
+                    self._check(js[k:k + 4096])
+
+    def _gather(self, js: np.ndarray, out: Optional[np.ndarray]) -> Optional[np.ndarray]:
+        """Native read (or check, out=None) of samples `js` into out [len(js), S + add]: each
+        sample's token count, or None without the kernel. Raises `_check`'s error for a sample
+        that does not fit."""
+        ds, totals = self.dataset, np.empty(js.size, np.int64)
+        rc = gather.gather_samples(ds._bin, ds.dtype.itemsize, ds.sequence_pointers,
+                                   ds.sequence_lengths, self.document_index, self.sample_index,
+                                   js, self.add, self.seq_length + self.add, out, totals)
+        if rc:
+            self._check(js[rc - 1:rc])
+            raise ValueError(f"{ds.prefix}: sample {js[rc - 1]} does not fit this dataset")
+        return None if rc is None else totals
+
     def _check(self, js: np.ndarray) -> None:
         """Raises ValueError unless samples `js` read only inside their own sequences and each
         has seq_length + add tokens (fewer only for the last, keep-partial, sample)."""
@@ -370,16 +392,23 @@ class GPTDataset:
                              f"want {want}: the sample index does not fit this dataset")
 
     def _read(self, js: np.ndarray, dtype) -> np.ndarray:
-        """`read` without the id check: the sample index was checked against the dataset when
-        it was loaded (`_check` on every sample), so each piece lies inside its sequence."""
-        want = self.seq_length + self.add
-        starts, ends, _, totals, _ = self._pieces(js)
-        got = self._join((np.stack((starts, ends), axis=1).ravel() * self.dataset.dtype.itemsize).tolist())
-        if got.size == js.size * want:
-            return got.reshape(js.size, want).astype(dtype, copy=False)
-        out = np.full((js.size, want), self.pad_id, dtype=dtype)  # a keep-partial last sample
-        out[np.arange(want) < totals[:, None]] = got
-        return out
+        """`read` without the id check: the native gather checks every piece as it copies; the
+        numpy fallback relies on the sample index having been checked against the dataset
+        when it was loaded (`_check` on every sample)."""
+        ds, want = self.dataset, self.seq_length + self.add
+        got = np.empty((js.size, want), ds.dtype)
+        totals = self._gather(js, got)
+        if totals is None:
+            starts, ends, _, totals, _ = self._pieces(js)
+            flat = self._join((np.stack((starts, ends), axis=1).ravel() * ds.dtype.itemsize).tolist())
+            if flat.size == got.size:
+                got = flat.reshape(got.shape)
+            else:
+                got[np.arange(want) < totals[:, None]] = flat
+        if (totals != want).any():  # a keep-partial last sample
+            got = got.astype(dtype)
+            got[np.arange(want) >= totals[:, None]] = self.pad_id
+        return got.astype(dtype, copy=False)
 
     def _join(self, bounds: list) -> np.ndarray:
         """Bytes [b[0], b[1]), [b[2], b[3]), ... of the `.bin`, concatenated, as tokens: one

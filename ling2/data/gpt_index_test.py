@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ling2.data import gather
 from ling2.data import gpt_index as G
 from ling2.data.indexed import IndexedDataset, write_dataset
 
@@ -122,6 +123,8 @@ def test_loads_megatron_prebuilt_npy(tmp_path):
         assert g.source == "megatron", split
         want = np.load(FIX / f"{c['splits'][split]['case']}-samples.npy")
         np.testing.assert_array_equal(np.stack([g[i] for i in range(len(g))]), want)
+        assert g.sample_index.dtype == np.int32  # Megatron's int32 indices, read in place
+        np.testing.assert_array_equal(g.samples(np.arange(len(g))[::-1]), want[::-1])
 
 
 def test_sequence_length_too_large(tmp_path):
@@ -142,11 +145,21 @@ def test_many_epochs_from_tiny_data(tmp_path):
     assert all(set(g[i].tolist()) <= {1, 2, 3, 4, 5} for i in range(len(g)))
 
 
+def test_native_gather_is_built():
+    """Under Bazel the C gather (gather.c) is in the runfiles and loads."""
+    if "TEST_SRCDIR" in os.environ:
+        assert gather.native() is not None
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.int32, np.int64])
 @pytest.mark.parametrize("add,drop_last", [(1, True), (1, False), (0, False)])
-def test_reader_matches_naive_stream(tmp_path, dtype, add, drop_last):
-    """Every read path equals pre-shuffle sample j = stream[j*S : j*S + S + add] of the
-    concatenated sequences in document-index order, pad-filled at the stream end."""
+def test_reader_matches_naive_stream(tmp_path, monkeypatch, native, dtype, add, drop_last):
+    """Every read path, with the C gather and with the numpy fallback, equals pre-shuffle
+    sample j = stream[j*S : j*S + S + add] of the concatenated sequences in document-index
+    order, pad-filled at the stream end."""
+    if not native:
+        monkeypatch.setattr(gather, "native", lambda: None)
     rng = np.random.default_rng(3)
     docs = [[rng.integers(1, 250, size=rng.integers(0, 6)).tolist()
              for _ in range(rng.integers(1, 3))] for _ in range(60)]
@@ -170,6 +183,11 @@ def test_reader_matches_naive_stream(tmp_path, dtype, add, drop_last):
         assert got.dtype == out and got.shape == (ids.size, S + add)
         np.testing.assert_array_equal(got, want[g.shuffle_index[ids]])
     assert g.samples([], np.int32).shape == (0, S + add)
+    g.sample_index = np.array(g.sample_index)
+    g.sample_index[3, 1] = 99  # corrupted after load: a read must refuse, not read past
+    if native:
+        with pytest.raises(ValueError, match=r"d: sample 2 reads tokens \[\d+, \d+\) of "):
+            g.samples(np.flatnonzero(g.shuffle_index == 2))
 
 
 def test_reader_rejects_an_index_that_does_not_fit(tmp_path):

@@ -8,7 +8,8 @@
    it pays the page faults, and the best of 3 shows the steady state. Raw reads (best of
    3, interleaved with the passes) use a 64 MiB buffer; a one-batch buffer (cache-resident,
    much faster) is shown too, and ratios per CPU second, which a busy shared host
-   disturbs less than wall time.
+   disturbs less than wall time. One more pass reads through the numpy fallback (what runs
+   when the native gather, ling2/data/gather.c, is not built), for comparison.
 2. GPT index build (document/sample/shuffle) for T tokens in D documents: time and peak
    traced memory against the size of the output indices (target <= 2x).
 3. Pipeline batches/s for ling2-tiny shapes on the bundled sample data, against the rate a
@@ -31,7 +32,7 @@ import tracemalloc
 import numpy as np
 
 from ling2.config.paths import user_path
-from ling2.data import gpt_index, indexed, pipeline
+from ling2.data import gather, gpt_index, indexed, pipeline
 
 
 def make_bin(prefix: str, n_tokens: int, mean_doc: int, seed: int = 0) -> None:
@@ -87,6 +88,11 @@ def bench_reads(workdir: str, mb: int, mean_doc: int, reads: int, seq: int,
         raw_batch.append(timed(raw_read, small))
         passes.append(timed(random_reads))  # the first pass also maps the mmap's pages
     single = (n // 16) * sample_bytes / timed(single_reads)
+    native, gather.native = gather.native, lambda: None
+    try:
+        fallback = n * sample_bytes / timed(random_reads)
+    finally:
+        gather.native = native
     raw, raw_batch = size / np.min(raw, axis=0), size / np.min(raw_batch, axis=0)
     first, best = n * sample_bytes / passes[0], n * sample_bytes / np.min(passes, axis=0)
     return {"bin_bytes": size, "mean_doc_tokens": mean_doc, "samples_read": n,
@@ -98,6 +104,8 @@ def bench_reads(workdir: str, mb: int, mean_doc: int, reads: int, seq: int,
             "ratio_best_pass_cpu_time": best[1] / raw[1],
             "ratio_vs_batch_buffer": best[0] / raw_batch[0],
             "random_single_getitem_GBps": single[0] / 1e9, "ratio_single": single[0] / raw[0],
+            "reader": "native" if native() else "numpy",
+            "numpy_fallback_GBps": fallback[0] / 1e9, "ratio_numpy_fallback": fallback[0] / raw[0],
             "target": ">= 0.70"}
 
 
@@ -173,7 +181,8 @@ def main(argv=None):
 
     r = res["reads"]
     print(f"{'benchmark':<44}{'value':>14}{'reference':>14}{'ratio':>8}  target")
-    print(f"{'random sample reads, batched (GB/s)':<44}{r['random_samples_GBps']:>14.2f}"
+    name = f"random sample reads, batched, {r['reader']} (GB/s)"
+    print(f"{name:<44}{r['random_samples_GBps']:>14.2f}"
           f"{r['raw_sequential_GBps']:>14.2f}{r['ratio']:>8.2f}  {r['target']}")
     print(f"{'  same, per CPU second (user + system)':<44}{r['ratio_cpu_time']:>36.2f}")
     print(f"{'  best of 3 passes (later ones: pages mapped)':<44}"
@@ -183,6 +192,8 @@ def main(argv=None):
     print(f"{'  best of 3, vs raw read in one-batch chunks':<44}"
           f"{r['random_samples_best_pass_GBps']:>14.2f}"
           f"{r['raw_sequential_batch_buffer_GBps']:>14.2f}{r['ratio_vs_batch_buffer']:>8.2f}")
+    print(f"{'  numpy fallback (no native gather), 1 pass':<44}{r['numpy_fallback_GBps']:>14.2f}"
+          f"{r['raw_sequential_GBps']:>14.2f}{r['ratio_numpy_fallback']:>8.2f}")
     print(f"{'random sample reads, one by one (GB/s)':<44}"
           f"{r['random_single_getitem_GBps']:>14.2f}{r['raw_sequential_GBps']:>14.2f}"
           f"{r['ratio_single']:>8.2f}")

@@ -1,0 +1,65 @@
+"""The native sample gather (gather.c), loaded with ctypes.
+
+Reading a GPT sample copies ~5 pieces of ~3 KB from random places in the `.bin`; done from
+Python, the per-piece arithmetic and call overhead cost as much as the copy itself. The C
+kernel walks the indices, checks every piece and copies a whole batch in one call, without the
+GIL. Bazel builds `libling2_gather.so` next to this file (in the runfiles); outside Bazel it is
+taken from `bazel-bin/` when built, else `native()` is None and callers use numpy.
+"""
+
+import ctypes
+import os
+import warnings
+from typing import Optional
+
+import numpy as np
+
+LIB = "libling2_gather.so"
+_here = os.path.dirname(os.path.abspath(__file__))
+_CANDIDATES = (os.path.join(_here, LIB),
+               os.path.join(_here, "..", "..", "bazel-bin", "ling2", "data", LIB))
+_lib, _loaded = None, False
+
+
+def native() -> Optional[ctypes.CDLL]:
+    """The loaded library, or None (warns once) when it was not built."""
+    global _lib, _loaded
+    if not _loaded:
+        _loaded = True
+        path = next((p for p in _CANDIDATES if os.path.isfile(p)), None)
+        if path is None:
+            warnings.warn(f"ling2.data: {LIB} not found (build it with `bazel build "
+                          f"//ling2/data:{LIB}`); sample reads use the slower numpy path")
+        else:
+            _lib = ctypes.CDLL(path)
+            f = _lib.ling2_gather_samples
+            i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+            f.argtypes = [p, i64, i64, p, p, i64, p, i32, i64, p, i32, i64, p, i64, i64, i64,
+                          p, p]
+            f.restype = i64
+    return _lib
+
+
+def _int_array(a: np.ndarray) -> Optional[np.ndarray]:
+    """`a` if the kernel can read it in place (C-contiguous little-endian int32/int64)."""
+    ok = (a.dtype in (np.dtype("<i4"), np.dtype("<i8")) and a.flags.c_contiguous)
+    return a if ok else None
+
+
+def gather_samples(bin_u8: np.ndarray, item: int, seq_ptr: np.ndarray, seq_len: np.ndarray,
+                   doc: np.ndarray, smp: np.ndarray, js: np.ndarray, add: int, want: int,
+                   out: Optional[np.ndarray], totals: np.ndarray) -> Optional[int]:
+    """Fills out[r, :totals[r]] with sample js[r]'s tokens (out: [len(js), want], the `.bin`'s
+    dtype; None: only check). Returns 0, the 1-based row of the first sample that does not fit
+    the data (see gather.c), or None when the kernel cannot run here (no library, or index
+    arrays in another layout)."""
+    lib = native()
+    doc, smp = _int_array(doc), _int_array(smp)
+    if lib is None or doc is None or smp is None or smp.ndim != 2 or smp.shape[1] != 2:
+        return None
+    js = np.ascontiguousarray(js, dtype=np.int64)
+    return int(lib.ling2_gather_samples(
+        bin_u8.ctypes.data, bin_u8.nbytes, item, seq_ptr.ctypes.data, seq_len.ctypes.data,
+        seq_len.shape[0], doc.ctypes.data, doc.itemsize == 8, doc.shape[0], smp.ctypes.data,
+        smp.itemsize == 8, smp.shape[0] - 1, js.ctypes.data, js.shape[0], add, want,
+        None if out is None else out.ctypes.data, totals.ctypes.data))
