@@ -3,41 +3,32 @@
 Reading a GPT sample copies ~5 pieces of ~3 KB from random places in the `.bin`; done from
 Python, the per-piece arithmetic and call overhead cost as much as the copy itself. The C
 kernel walks the indices, checks every piece and copies a whole batch in one call, without the
-GIL. Bazel builds `libling2_gather.so` next to this file (in the runfiles); outside Bazel it is
-taken from `bazel-bin/` when built, else `native()` is None and callers use numpy.
+GIL. Bazel builds `libling2_gather.so` (see ling2/native.py for where it is looked up); without
+it `native()` is None and callers use numpy.
 """
 
 import ctypes
-import os
-import warnings
+import functools
 from typing import Optional
 
 import numpy as np
 
+from ling2 import native as _native
+
 LIB = "libling2_gather.so"
-_here = os.path.dirname(os.path.abspath(__file__))
-_CANDIDATES = (os.path.join(_here, LIB),
-               os.path.join(_here, "..", "..", "bazel-bin", "ling2", "data", LIB))
-_lib, _loaded = None, False
 
 
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.ling2_gather_samples.argtypes = [p, i64, i64, p, p, i64, p, i32, i64, p, i32, i64, p,
+                                         i64, i64, i64, p, p]
+    lib.ling2_gather_samples.restype = i64
+
+
+@functools.cache
 def native() -> Optional[ctypes.CDLL]:
     """The loaded library, or None (warns once) when it was not built."""
-    global _lib, _loaded
-    if not _loaded:
-        _loaded = True
-        path = next((p for p in _CANDIDATES if os.path.isfile(p)), None)
-        if path is None:
-            warnings.warn(f"ling2.data: {LIB} not found (build it with `bazel build "
-                          f"//ling2/data:{LIB}`); sample reads use the slower numpy path")
-        else:
-            _lib = ctypes.CDLL(path)
-            f = _lib.ling2_gather_samples
-            i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-            f.argtypes = [p, i64, i64, p, p, i64, p, i32, i64, p, i32, i64, p, i64, i64, i64,
-                          p, p]
-            f.restype = i64
-    return _lib
+    return _native.load(__file__, LIB, _declare)
 
 
 def _int_array(a: np.ndarray) -> Optional[np.ndarray]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ling2 import native
 from ling2.data import gather
 from ling2.data import gpt_index as G
 from ling2.data.indexed import IndexedDataset, write_dataset
@@ -146,9 +147,12 @@ def test_many_epochs_from_tiny_data(tmp_path):
 
 
 def test_native_gather_is_built():
-    """Under Bazel the C gather (gather.c) is in the runfiles and loads."""
+    """Under Bazel the C gather (gather.c) is in the runfiles and loads; a library that was not
+    built gives None and a warning naming the target to build."""
     if "TEST_SRCDIR" in os.environ:
         assert gather.native() is not None
+    with pytest.warns(UserWarning, match=r"bazel build //ling2/data:libnone\.so"):
+        assert native.load(G.__file__, "libnone.so", lambda lib: None) is None
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
