@@ -305,6 +305,7 @@ def convert_hf_to_ling2(hf_dir, out_dir, *, scan_layers: bool = False, dtype: st
     reader = ShardedReader(hf_dir)
     plan = _plan(reader, cfg, layout, allow_missing_mtp)
     writer = _state_writer(out_dir, cfg, plan[0], [e.path for e, _ in plan[1]])
+    reader.map_pages = writer.lib is None  # the native writer maps and drops each block's pages itself
     _hf_to_sink(reader, cfg, layout, writer, allow_missing_mtp, progress, plan)
     writer.close()
     return cfg
@@ -327,6 +328,8 @@ def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "bailing", config=No
     out.mkdir(parents=True, exist_ok=True)
     hf = hf_config.config_to_hf(cfg, layout, DTYPES[dtype] if dtype else "")
     writer = PlannedWriter(out, hf_specs(cfg, layout, np_dtype), shard_bytes)
+    if isinstance(state, ShardedReader):
+        state.map_pages = writer.lib is None  # the native writer maps and drops each block's pages itself
     state_to_hf(state, cfg, layout, writer, progress)
     index = writer.close()
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

@@ -8,23 +8,30 @@ start). A sharded checkpoint adds `model.safetensors.index.json`:
 (or one leading-index block of it) returns a view of its bytes in a mapping of the whole
 shard; pages read are dropped from the process every RELEASE bytes, so memory stays at about
 one tensor. `PlannedWriter` lays out every header first and writes each tensor (or block)
-straight to its offset with pwrite, transposing through a small buffer on worker threads
-(numpy copies and pwrite release the GIL), so writing buffers little either; bf16 uses
+straight to its offset on worker threads, so writing buffers little either: with the native
+kernel (convert.c, one ctypes call per run of blocks: SIMD transposes into an L2-sized buffer,
+pread of mapped sources, pwrite, all without the GIL) when it is built, else with numpy
+(transposing through a small buffer) and os.pwrite; both write the same bytes. bf16 uses
 ml_dtypes.
 """
 
 import collections
+import ctypes
+import functools
 import json
 import math
 import mmap
 import os
 import struct
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+from ling2 import native as _native
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -38,9 +45,41 @@ CODES = {v: k for k, v in DTYPES.items()}
 CHUNK = 4 << 20  # bytes PlannedWriter copies at a time through its buffer
 WINDOW = 4 << 20  # ShardedReader maps the pages of a shard's WINDOW-aligned windows as tensors in them are read
 RELEASE = 16 << 20  # bytes of windows mapped before ShardedReader unmaps them all (they stay in the page cache)
+NATIVE_CHUNK = 1 << 20  # bytes the native kernel stages before each pwrite (in L2)
+SOURCE_CHUNK = 4 << 20  # a mapped block up to this size is read by the native kernel with pread, not through its pages
 THREADS = 2  # PlannedWriter's writer threads
+SPLIT = 8 << 20  # a transposed block this large is split between the native writer's threads
 RUN = 1 << 20  # PlannedWriter gathers smaller blocks bound for consecutive offsets into one write of up to this
 MADV_POPULATE_READ = 22  # Linux >= 5.14; not in python's mmap module
+TILE = 16  # the native kernel's staging buffer holds at least TILE output rows of a transposed block
+LIB = "libling2_convert.so"
+_MAPPINGS = weakref.WeakKeyDictionary()  # ShardedReader's shard mappings (shared, read-only) -> (address, fd)
+
+
+def _source(a: np.ndarray):
+    """(fd, file offset) of `a`'s first byte when `a` is a view of a ShardedReader's mapping, else None."""
+    b = a.base
+    while isinstance(b, (np.ndarray, memoryview)):
+        b = b.base if isinstance(b, np.ndarray) else b.obj
+    if not isinstance(b, mmap.mmap) or b not in _MAPPINGS:
+        return None
+    address, fd = _MAPPINGS[b]
+    return fd, a.ctypes.data - address
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.ling2_write_blocks.argtypes = [ctypes.c_int, i64, p, i64, p, i64, p, i64]
+    lib.ling2_write_blocks.restype = i64
+    lib.ling2_drop_pages.argtypes = [p, i64]
+    lib.ling2_drop_pages.restype = None
+
+
+@functools.cache
+def native():
+    """The native block writer (convert.c), or None (warns once) when it was not built: then
+    PlannedWriter transposes and writes with numpy (the same bytes, slower)."""
+    return _native.load(__file__, LIB, _declare)
 
 
 class SafetensorsError(ValueError):
@@ -63,10 +102,14 @@ def read_header(path: Path) -> tuple[dict, int]:
 
 
 class ShardedReader:
-    """Every tensor of a HF checkpoint directory: `names()`, `shape(name)`, `read(name)`."""
+    """Every tensor of a HF checkpoint directory: `names()`, `shape(name)`, `read(name)`.
+
+    `map_pages = False` leaves the mapping and dropping of a view's pages to its consumer
+    (PlannedWriter's native kernel does it per block, on its threads).
+    """
 
     def __init__(self, directory):
-        self.dir = Path(directory)
+        self.dir, self.map_pages = Path(directory), True
         index = self.dir / INDEX_NAME
         if index.is_file():
             try:
@@ -104,7 +147,8 @@ class ShardedReader:
         """The tensor, or its block `tensor[index]` for leading indices `index` (read alone).
 
         copy=False returns a read-only view of the file (mmap): no bytes copied; the pages of its
-        WINDOWs are mapped now, and unmapped again once RELEASE bytes of windows are mapped.
+        WINDOWs are mapped now, and unmapped again once RELEASE bytes of windows are mapped
+        (with `map_pages` False: neither, the consumer maps and drops them).
         """
         path, dtype, shape, b, e = self.entries[name]
         if (e - b) != math.prod(shape) * dtype.itemsize:
@@ -114,15 +158,22 @@ class ShardedReader:
         if index:
             b += int(np.ravel_multi_index(index, shape[:len(index)])) * n
         if path not in self.maps:  # one mapping per shard, made once (a mapping per tensor costs ~30 us)
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else None
+            fd = os.open(path, os.O_RDONLY)
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else None
+            if mm is None:
+                os.close(fd)
+            else:  # the native writer reads blocks of views of `mm` with pread from `fd`, open while `mm` lives
+                _MAPPINGS[mm] = (np.frombuffer(mm, np.uint8, count=1).ctypes.data, fd)
+                weakref.finalize(mm, os.close, fd)
             self.maps[path] = (mm, size)
         mm, size = self.maps[path]
         if b + n > size:
             raise SafetensorsError(f"{path}: tensor {name} is cut short at byte {size}")
         if n == 0:
             return np.empty(block, dtype)
+        if not self.map_pages and not copy:
+            return np.frombuffer(mm, dtype=dtype, count=n // dtype.itemsize, offset=b).reshape(block)
         mine = {(path, w) for w in range(b // WINDOW, (b + n - 1) // WINDOW + 1)}
         windows = mine - self.mapped
         if windows and self.mapped and len(self.mapped | windows) * WINDOW > RELEASE:
@@ -234,13 +285,19 @@ class PlannedWriter:
     its own), writes every header and sizes every file; `add(name, a, index)` then writes `a`
     as `tensor[index]` (leading indices, so a contiguous block) at its offset, in any order.
     Writes run on `threads` worker threads (0: in the caller), at most 2 * threads queued, each
-    holding its array until written. A block that is not C-contiguous in the planned dtype (a
+    holding its array until written. With the native kernel (`use_native`: None uses it when
+    built), blocks C-contiguous or transposed in their planned dtype go through it; others (casts)
+    take the numpy path below. A block that is not C-contiguous in the planned dtype (a
     transposed view, a cast) is copied through a per-thread buffer of about CHUNK bytes (at
     least 128 rows of a transposed block), a few rows at a time. `close()` waits for the
     writes, checks every byte was written and writes the index json.
     """
 
-    def __init__(self, directory, specs, shard_bytes: int = 2 << 30, threads: int | None = None):
+    def __init__(self, directory, specs, shard_bytes: int = 2 << 30, threads: int | None = None,
+                 use_native: bool | None = None):
+        self.lib = native() if use_native is not False else None
+        if use_native and self.lib is None:
+            raise RuntimeError(f"{LIB} not found")
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         groups, size = [[]], 0
@@ -272,7 +329,7 @@ class PlannedWriter:
                 self.where[name] = (fd, shape, dtype, 8 + len(raw) + header[name]["data_offsets"][0])
                 self.weight_map[name] = file
             self.total += offset
-        threads = THREADS if threads is None else threads
+        threads = self.threads = THREADS if threads is None else threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="PlannedWriter") if threads else None
         self.queued, self.queue_max, self.local = collections.deque(), 2 * threads, threading.local()
         self.run = None  # small blocks bound for consecutive offsets, not yet submitted
@@ -295,8 +352,16 @@ class PlannedWriter:
             return
         if self.run and (self.run[0] != fd or self.run[2] != offset or self.run[3] + nbytes > RUN):
             self._flush_run()
+        if nbytes >= SPLIT and self.lib is not None and self.threads > 1 and a.dtype == dtype:
+            t = None if a.flags.c_contiguous else _transposed(a)
+            if t is not None:  # a large transposed block: its rows in one strip per thread, transposed at once
+                step = -(-len(t) // self.threads)
+                for i in range(0, len(t), step):
+                    part = t[i:i + step]
+                    self._submit(self._write_blocks, fd, offset + i * part[0].nbytes, part.nbytes, [(part, dtype)])
+                return
         if nbytes >= RUN:
-            self._submit(self._write, fd, offset, a, dtype)
+            self._submit(self._write_blocks, fd, offset, nbytes, [(a, dtype)])
             return
         if not self.run:
             self.run = [fd, offset, offset, 0, []]  # fd, start, end, bytes, [(block, dtype)]
@@ -308,7 +373,7 @@ class PlannedWriter:
         if self.run:
             fd, start, _, nbytes, blocks = self.run
             self.run = None
-            self._submit(self._write_run, fd, start, nbytes, blocks)
+            self._submit(self._write_blocks, fd, start, nbytes, blocks)
 
     def _submit(self, fn, *args) -> None:
         if self.pool is None:
@@ -333,6 +398,43 @@ class PlannedWriter:
             np.copyto(out, a, casting="same_kind")
         else:
             _transpose_into(out.reshape(t.shape), t.T)
+
+    def _write_blocks(self, fd: int, start: int, nbytes: int, blocks: list) -> None:
+        """Blocks [(array, dtype)] bound for consecutive offsets from `start`: with the native kernel when each is
+        C-contiguous or a transposed view in its planned dtype, else with numpy."""
+        desc = None if self.lib is None else np.empty((len(blocks), 8), np.int64)  # see block_t in convert.c
+        row = 0
+        for i, (a, dtype) in enumerate(blocks):
+            if desc is None:
+                break
+            t = None if a.dtype != dtype or a.flags.c_contiguous else _transposed(a)  # [R, C]; t.T is [C, R] C-order
+            if t is None and a.dtype == dtype and a.ndim == 2 and a.strides[0] == dtype.itemsize and \
+                    a.strides[1] >= a.shape[0] * dtype.itemsize and a.strides[1] % dtype.itemsize == 0:
+                t = a  # a strip of rows of a transposed view: its source rows are a.strides[1] apart
+            if a.dtype == dtype and a.flags.c_contiguous:
+                desc[i] = a.ctypes.data, 1, a.size, dtype.itemsize, 0, *(_source(a) or (-1, 0)), a.size
+            elif t is not None:
+                desc[i] = (t.ctypes.data, t.shape[1], t.shape[0], dtype.itemsize, 1, *(_source(a) or (-1, 0)),
+                           t.strides[1] // dtype.itemsize)
+                row = max(row, t.shape[1] * dtype.itemsize)
+            else:
+                desc = None
+        if desc is None:
+            if len(blocks) == 1 and nbytes >= RUN:
+                self._write(fd, start, *blocks[0])
+            else:
+                self._write_run(fd, start, nbytes, blocks)
+            for a, _ in blocks if self.lib is not None else ():  # read by numpy: drop the pages it mapped
+                if _source(a) is not None:
+                    self.lib.ling2_drop_pages(a.ctypes.data, a.nbytes)
+            return
+        cap = max(NATIVE_CHUNK, TILE * row)
+        buf = self._buffer(cap + SOURCE_CHUNK)
+        rc = self.lib.ling2_write_blocks(fd, start, desc.ctypes.data, len(blocks), buf.ctypes.data, cap,
+                                         buf[cap:].ctypes.data, SOURCE_CHUNK)
+        if rc:
+            raise OSError(-rc, f"{self.dir}: copying {nbytes} bytes to offset {start} of a shard (reading the source "
+                               f"blocks or writing them) failed: {os.strerror(-rc)}")
 
     def _write_run(self, fd: int, start: int, nbytes: int, blocks: list) -> None:
         """Blocks bound for consecutive offsets: gathered in the buffer, written with one pwrite."""

@@ -3,8 +3,12 @@
 One run: writes a random HF checkpoint of --model (bailing layout, sharded safetensors, written
 through the converter's own PlannedWriter), copies its shards with shutil.copyfile (the
 reference GB/s for the same bytes), then runs hf_to_ling2 and ling2_to_hf, each in its own
-subprocess (a fresh python, like the CLI), --repeats times interleaved, each after os.sync()
-(so one phase's writeback does not throttle the next); the best time of each is reported. A child times only the conversion (imports and
+subprocess (a fresh python, like the CLI), --repeats times interleaved, each right after removing
+its previous output and os.sync() (so one phase's writeback does not throttle the next), done
+by the child once imported, as the copy does them just before copying: on this VM, memory
+freed a second or more earlier is handed back to the host and costs ~0.5 GB/s to touch again
+(7.5 GB/s when reused at once), so a delay between the two would slow only the conversions;
+the best time of each is reported. A child times only the conversion (imports and
 startup excluded, as for the copy) and reports its peak RSS (VmHWM) and its RSS right
 before converting (python + jax + numpy, no tensors). All files are in the page cache for
 both the copy and the conversions. The round trip is checked tensor by tensor. A conversion's
@@ -55,6 +59,8 @@ def child(args) -> None:
     from ling2.convert import hf_config
 
     convert.read_config(args.cfg)  # imports and config loading stay outside the timing
+    shutil.rmtree(args.dst, ignore_errors=True)  # as the copy: its previous output removed, then synced
+    os.sync()
     before = _status_bytes("VmRSS")
     t0 = time.perf_counter()  # the config and leaf shapes alone, for the table (the conversion does them again)
     if args.child == "hf_to_ling2":
@@ -153,8 +159,6 @@ def main(argv=None) -> int:
                 shutil.copyfile(f, wd / "copy" / f.name)
             copies.append(time.perf_counter() - t0)
             for kind, src, dst, out in (("hf_to_ling2", "hf", "l2", fwds), ("ling2_to_hf", "l2", "hf2", bwds)):
-                shutil.rmtree(wd / dst, ignore_errors=True)
-                os.sync()
                 out.append(run_child(kind, wd / src, wd / dst, args, cfg_path))
         shutil.rmtree(wd / "copy")
         copy_s = min(copies)
