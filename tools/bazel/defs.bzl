@@ -10,6 +10,11 @@ def ling2_py_library(name, srcs = None, deps = [], **kwargs):
         **kwargs
     )
 
+def ling2_native_library(name, srcs, **kwargs):
+    """A small C kernel as a shared library `name` (e.g. "libling2_x.so"), for a py_library's
+    `data`, loaded with ctypes through `ling2.native.load`."""
+    native.cc_binary(name = name, srcs = srcs, copts = ["-O3"], linkshared = True, **kwargs)
+
 def ling2_py_test(name, srcs, deps = [], data = [], devices = 0, env = {}, args = [], size = "small", **kwargs):
     """A pytest-driven py_test.
 
