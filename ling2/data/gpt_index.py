@@ -319,14 +319,6 @@ class GPTDataset:
         out[:got.size] = got
         return out
 
-    def read(self, js: np.ndarray, dtype=np.int64) -> np.ndarray:
-        """Pre-shuffle samples `js` as [len(js), seq_length + add] `dtype` tokens."""
-        js = np.asarray(js, dtype=np.int64).reshape(-1)
-        n = len(self.sample_index) - 1
-        if js.size and (int(js.min()) < 0 or int(js.max()) >= n):
-            raise IndexError(f"{self.dataset.prefix}: sample ids must be in [0, {n})")
-        return self._read(js, dtype)
-
     def _pieces(self, js: np.ndarray):
         """Every piece (a slice of one sequence) of samples `js`, vectorised over the batch:
         token bounds [starts, ends) in the `.bin`, each sample's first piece and total length,
@@ -392,9 +384,9 @@ class GPTDataset:
                              f"want {want}: the sample index does not fit this dataset")
 
     def _read(self, js: np.ndarray, dtype) -> np.ndarray:
-        """`read` without the id check: the native gather checks every piece as it copies; the
-        numpy fallback relies on the sample index having been checked against the dataset
-        when it was loaded (`_check` on every sample)."""
+        """Pre-shuffle samples `js` (valid ids) as [len(js), seq_length + add] `dtype` tokens.
+        The native gather checks every piece as it copies; the numpy fallback relies on the
+        sample index having been checked against the dataset when it was loaded."""
         ds, want = self.dataset, self.seq_length + self.add
         got = np.empty((js.size, want), ds.dtype)
         totals = self._gather(js, got)
