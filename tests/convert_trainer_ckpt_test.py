@@ -1,4 +1,4 @@
-"""A trainer checkpoint (ling2.train.checkpoint, TrainState fields) exports to HF and converts back unchanged."""
+"""A trainer checkpoint (ling2.checkpoint.manager, TrainState fields) exports to HF and converts back unchanged."""
 
 import jax
 import numpy as np
@@ -6,16 +6,17 @@ from flax import nnx
 
 from ling2.config import load_config, to_yaml
 from ling2.convert import convert
-from ling2.layers.mtp import DecoderWithMTP
-from ling2.train import step as step_lib
-from ling2.train.checkpoint import Checkpointer
+from ling2.checkpoint.manager import Checkpointer
+from ling2.checkpoint.state import load_state
+from ling2.layers.model import Ling2Model
+from ling2.train.state import trainable_filter
 from ling2.train.optim import make_optimizer
 
 
 def test_trainer_step_dir_to_hf_and_back(tmp_path):
     cfg = load_config(model_name="ling2-tiny", base_num_decoder_layers=5, async_checkpointing=False)
-    model = nnx.eval_shape(lambda: DecoderWithMTP(cfg, rngs=nnx.Rngs(0)))
-    _, params, rest = nnx.split(model, step_lib.trainable_filter(cfg), ...)
+    model = nnx.eval_shape(lambda: Ling2Model(cfg, rngs=nnx.Rngs(0)))
+    _, params, rest = nnx.split(model, trainable_filter(cfg), ...)
     rng = np.random.default_rng(0)
     params, rest = (jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype), t) for t in (params, rest))
     assert len(jax.tree.leaves(rest)) == 5  # the expert biases (4 MoE layers + MTP) live outside params
@@ -30,7 +31,7 @@ def test_trainer_step_dir_to_hf_and_back(tmp_path):
     convert.convert_ling2_to_hf(tmp_path / "checkpoints" / "3", tmp_path / "hf", config=tmp_path / "config.yml",
                                 progress=False)
     back_cfg = convert.convert_hf_to_ling2(tmp_path / "hf", tmp_path / "l2", progress=False)
-    back = convert.load_state(tmp_path / "l2", back_cfg)
+    back = load_state(tmp_path / "l2", back_cfg)
     want = nnx.to_pure_dict(nnx.merge_state(params, rest))
     got_flat, want_flat = jax.tree_util.tree_leaves_with_path(back), jax.tree_util.tree_leaves_with_path(want)
     assert [p for p, _ in got_flat] == [p for p, _ in want_flat]

@@ -3,7 +3,6 @@
     bazel run //tools:plot_metrics -- --metrics=runs/ling2-tiny/metrics.jsonl --out=curves.png
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -14,27 +13,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from ling2.config.paths import user_path  # noqa: E402
+from ling2.train.metrics import read_metrics  # noqa: E402
 
 flags.DEFINE_string("metrics", None, "Path to metrics.jsonl.")
 flags.DEFINE_string("out", None, "Output PNG (default: next to metrics.jsonl).")
 FLAGS = flags.FLAGS
-
-
-def load(path: Path) -> list[dict]:
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
-    if not rows:
-        raise ValueError(f"{path}: no metrics")
-    last = {}
-    for r in rows:  # a resumed run rewrites steps: keep the latest record per step
-        last[r["step"]] = r
-    return [last[s] for s in sorted(last)]
 
 
 def plot(rows: list[dict], out: Path) -> None:
@@ -70,7 +53,7 @@ def main(argv):
         print(f"error: {path}: metrics file not found", file=sys.stderr)
         return 2
     try:
-        rows = load(path)
+        rows = read_metrics(path)
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,11 +1,10 @@
 """plot_metrics turns metrics.jsonl into a PNG and rejects a malformed file by name and line."""
 
 import json
-import os
-import subprocess
 
 import pytest
 
+from ling2.train.metrics import read_metrics
 from tools import plot_metrics
 
 
@@ -17,7 +16,7 @@ def test_png_written(tmp_path):
     m = tmp_path / "metrics.jsonl"
     _write(m, [{"step": s, "loss": 5.0 / s, "lr": 1e-3, "tokens_per_s": 100.0 + s, "mtp_loss/depth_1": 6.0 / s}
                for s in range(1, 6)] + [{"step": 3, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 1.0}])
-    rows = plot_metrics.load(m)
+    rows = read_metrics(m)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and rows[2]["loss"] == 1.0  # resumed record wins
     out = tmp_path / "c.png"
     plot_metrics.plot(rows, out)
@@ -28,4 +27,4 @@ def test_malformed_line_named(tmp_path):
     m = tmp_path / "metrics.jsonl"
     m.write_text('{"step": 1, "loss": 1}\n{oops\n')
     with pytest.raises(ValueError, match=r"metrics\.jsonl:2"):
-        plot_metrics.load(m)
+        read_metrics(m)

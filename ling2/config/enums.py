@@ -10,7 +10,7 @@ class DecoderBlockType(str, enum.Enum):
     LING2 = "ling2"
 
 
-ModelName = Literal["default", "ling2", "ling2-tiny", "ling2-small"]
+ModelName = Literal["default", "ling2", "ling2-tiny", "ling2-small", "ling2-micro"]
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 RoutedBiasDType = Literal["", "float32", "bfloat16", "float16", "float64"]

@@ -13,187 +13,189 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegative
 from ling2.config import enums as T
 
 
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+
 class _Group(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, protected_namespaces=())
 
 
+def _f(description: str, **constraints):
+    """A required field with its one-line description (the default lives in configs/base.yml)."""
+    return Field(description=description, **constraints)
+
+
 class Model(_Group):
-    model_name: T.ModelName = Field(description="Model file to load from configs/models/ ('default' loads none).")
-    decoder_block: T.DecoderBlockType
-    vocab_size: PositiveInt
-    base_emb_dim: PositiveInt = Field(description="Hidden size E.")
-    base_mlp_dim: PositiveInt = Field(description="Width of the dense SwiGLU MLP in the first dense layers.")
-    base_num_decoder_layers: PositiveInt
-    base_num_query_heads: PositiveInt
-    base_num_kv_heads: PositiveInt
-    head_dim: PositiveInt = Field(description="Per-head dim D of the linear-attention layers.")
-    mlp_activations: list[str]
-    normalization_layer_epsilon: float = Field(gt=0)
-    logits_via_embedding: bool = Field(description="Tie lm_head to the embedding (false for Ling2).")
-    float32_logits: bool
-    enable_dropout: bool
-    dropout_rate: NonNegativeFloat
-    dtype: T.DType = Field(description="Activation/compute dtype.")
-    weight_dtype: T.DType = Field(description="Parameter dtype.")
-    init_std: float = Field(gt=0, description="Normal init std (HF initializer_range).")
-    inhomogeneous_layer_cycle_interval: int = Field(
-        description="Layer i is MLA when (i+1) % interval == 0 (and every layer of a trailing partial group); others are GLA."
-    )
-    first_num_dense_layers: NonNegativeInt = Field(description="Layers before this index use the dense MLP; the rest MoE.")
-    attention_type: str = Field(description="Full-attention flavour of the hybrid ('mla').")
-    attention_kernel: T.AttentionKernel = Field(description="MLA attention backend.")
-    attention_block_size: PositiveInt = Field(
-        description="Query block of attention_kernel=blocked: each block scores only the keys up to its end."
-    )
-    scan_layers: bool
-    remat_policy: T.RematPolicy
+    model_name: T.ModelName = _f("Model file to load from configs/models/ ('default' loads none).")
+    decoder_block: T.DecoderBlockType = _f("Decoder stack to build ('ling2': the hybrid MLA/GLA MoE decoder).")
+    vocab_size: PositiveInt = _f("Rows of the embedding and columns of the lm_head; every token id must be below it.")
+    base_emb_dim: PositiveInt = _f("Hidden size E.")
+    base_mlp_dim: PositiveInt = _f("Width of the dense SwiGLU MLP of the first (dense) layers.")
+    base_num_decoder_layers: PositiveInt = _f("Decoder layers L (MTP layers not included).")
+    base_num_query_heads: PositiveInt = _f("Attention heads H of every attention layer (GLA and MLA).")
+    base_num_kv_heads: PositiveInt = _f("Key/value heads; must divide base_num_query_heads (Ling2: equal to it).")
+    head_dim: PositiveInt = _f("Per-head dim D of the linear-attention layers.")
+    normalization_layer_epsilon: float = _f("RMSNorm epsilon of the decoder norms (HF rms_norm_eps).", gt=0)
+    logits_via_embedding: bool = _f("Tie lm_head to the embedding (false for Ling2).")
+    float32_logits: bool = _f("Compute the output logits in float32 (else in dtype).")
+    enable_dropout: bool = _f("Dropout is not implemented (the reference has none): true with dropout_rate > 0 is an error.")
+    dropout_rate: NonNegativeFloat = _f("Dropout rate; must stay 0 unless enable_dropout is false.")
+    dtype: T.DType = _f("Activation/compute dtype.")
+    weight_dtype: T.DType = _f("Parameter dtype.")
+    init_std: float = _f("Normal init std of every weight (HF initializer_range).", gt=0)
+    inhomogeneous_layer_cycle_interval: int = _f(
+        "Layer i is MLA when (i+1) % interval == 0 (and every layer of a trailing partial group); others are GLA.")
+    first_num_dense_layers: NonNegativeInt = _f("Layers before this index use the dense MLP; the rest MoE.")
+    attention_type: str = _f("Full-attention flavour of the hybrid (only 'mla').")
+    attention_kernel: T.AttentionKernel = _f(
+        "MLA attention backend: blocked (default), dot_product (reference), cudnn (GPU), flash (Pallas TPU).")
+    attention_block_size: PositiveInt = _f(
+        "Query block of attention_kernel=blocked: each block scores only the keys up to its end.")
+    scan_layers: bool = _f("Stack repeated layer groups on a leading axis and run them under one lax.scan.")
+    remat_policy: T.RematPolicy = _f(
+        "Activation recomputation per layer: none, full (recompute all), save_dot (keep weight-matmul outputs).")
 
 
 class Rope(_Group):
-    rope_type: T.RopeType
-    rope_min_timescale: PositiveInt
-    rope_max_timescale: float = Field(gt=0, description="RoPE theta.")
-    max_position_embeddings: PositiveInt
-    original_max_position_embeddings: PositiveInt
-    rope_factor: float = Field(gt=0, description="Yarn scaling factor.")
-    beta_fast: float
-    beta_slow: float
-    mscale: float
-    mscale_all_dim: float
-    partial_rotary_factor: float = Field(gt=0, le=1, description="Fraction of head_dim that is rotated.")
+    rope_type: T.RopeType = _f("RoPE frequencies: default, or yarn (scaled by rope_factor).")
+    rope_max_timescale: float = _f("RoPE theta (HF rope_theta).", gt=0)
+    max_position_embeddings: PositiveInt = _f("Longest position the model is configured for (HF max_position_embeddings).")
+    original_max_position_embeddings: PositiveInt = _f("Yarn: the context length before scaling.")
+    rope_factor: float = _f("Yarn scaling factor (ignored by rope_type=default).", gt=0)
+    beta_fast: float = _f("Yarn: rotations below which dims are interpolated.")
+    beta_slow: float = _f("Yarn: rotations above which dims are extrapolated.")
+    mscale: float = _f("Yarn: attention-amplitude mscale.")
+    mscale_all_dim: float = _f("Yarn: mscale of the MLA softmax scale (0: none).")
+    partial_rotary_factor: float = _f("Fraction of head_dim that is rotated.", gt=0, le=1)
 
 
 class LinearAttention(_Group):
-    use_qk_norm: bool
-    use_linear_silu: bool = Field(description="SiLU on the fused qkv projection of GLA layers.")
-    group_norm_size: PositiveInt = Field(
-        description="NUMBER of groups G of the GLA output GroupRMSNorm: H*D is split into G groups of H*D/G. "
-        "G=1 is plain RMSNorm over H*D."
-    )
-    gla_slope_layer_offset: int = Field(
-        description="Slope uses (layer_idx + offset): -1 is the HF reference's (layer_idx - 1); 0 is vLLM's layer_idx."
-    )
-    gla_chunk_size: PositiveInt
-    gla_backend: T.GlaBackend
+    use_qk_norm: bool = _f("RMSNorm over D on q and k of GLA layers.")
+    use_linear_silu: bool = _f("SiLU on the fused qkv projection of GLA layers.")
+    group_norm_size: PositiveInt = _f(
+        "NUMBER of groups G of the GLA output GroupRMSNorm: H*D is split into G groups of H*D/G. "
+        "G=1 is plain RMSNorm over H*D.")
+    gla_slope_layer_offset: int = _f(
+        "Slope uses (layer_idx + offset): -1 is the HF reference's (layer_idx - 1); 0 is vLLM's layer_idx.")
+    gla_chunk_size: PositiveInt = _f("Tokens per chunk of the chunked GLA kernels (a multiple of 8).")
+    gla_backend: T.GlaBackend = _f("GLA kernel: auto (pallas_tpu on TPU, pallas_gpu on GPU, chunked elsewhere), "
+                                   "chunked, pallas_tpu, pallas_gpu, or the oracles naive/quadratic.")
 
 
 class Mla(_Group):
-    q_lora_rank: NonNegativeInt = Field(description="0 means a single q projection.")
-    kv_lora_rank: PositiveInt
-    qk_nope_head_dim: PositiveInt
-    qk_rope_head_dim: PositiveInt
-    v_head_dim: PositiveInt
-    mla_interleaved_rope: bool = Field(description="De-interleave the rope dims (even, then odd) before rotate-half.")
+    q_lora_rank: NonNegativeInt = _f("Rank of the q down-projection; 0 means a single q projection.")
+    kv_lora_rank: PositiveInt = _f("Rank of the compressed KV latent (cached per token when decoding).")
+    qk_nope_head_dim: PositiveInt = _f("Per-head q/k dims without RoPE.")
+    qk_rope_head_dim: PositiveInt = _f("Per-head q/k dims with RoPE (k's are shared by all heads).")
+    v_head_dim: PositiveInt = _f("Per-head value dim.")
+    mla_interleaved_rope: bool = _f("De-interleave the rope dims (even, then odd) before rotate-half.")
 
 
 class MoE(_Group):
-    num_experts: PositiveInt
-    num_experts_per_tok: PositiveInt
-    base_moe_mlp_dim: PositiveInt = Field(description="Width of each routed SwiGLU expert.")
-    capacity_factor: float = Field(description="<= 0: dropless. > 0: dense path drops tokens past capacity.")
-    sparse_matmul: bool = Field(description="True: sort + grouped matmul (dropless). False: dense einsum with capacity.")
-    moe_gmm_backend: T.GmmBackend = Field(
-        description="Dropless grouped matmul: 'ragged_dot', 'tiled' (fast on CPU), or 'auto' (tiled on CPU only).")
-    load_balance_loss_weight: NonNegativeFloat
-    moe_z_loss_weight: NonNegativeFloat = Field(description="ST-MoE router z-loss weight; 0 skips the computation.")
+    num_experts: PositiveInt = _f("Routed experts per MoE layer.")
+    num_experts_per_tok: PositiveInt = _f("Routed experts each token is sent to (top-k).")
+    base_moe_mlp_dim: PositiveInt = _f("Width of each routed SwiGLU expert.")
+    capacity_factor: float = _f("<= 0: dropless. > 0: the dense path drops tokens past capacity.")
+    sparse_matmul: bool = _f("True: sort + grouped matmul (dropless). False: dense einsum with capacity.")
+    moe_gmm_backend: T.GmmBackend = _f(
+        "Dropless grouped matmul: 'ragged_dot', 'tiled' (fast on CPU), or 'auto' (tiled on CPU only).")
+    load_balance_loss_weight: NonNegativeFloat = _f("Switch-style auxiliary load-balancing loss weight; 0 skips it.")
+    moe_z_loss_weight: NonNegativeFloat = _f("ST-MoE router z-loss weight; 0 skips the computation.")
 
 
 class DeepSeekMoE(_Group):
-    shared_experts: NonNegativeInt
-    moe_shared_expert_dim: NonNegativeInt = Field(description="Shared expert width; 0 falls back to base_moe_mlp_dim.")
-    routed_scaling_factor: float = Field(gt=0)
-    n_routing_groups: PositiveInt
-    topk_routing_group: PositiveInt
-    routed_score_func: T.ScoreFunc
-    routed_bias: bool = Field(description="Add a selection-only expert bias (loss-free balancing).")
-    routed_bias_update_rate: NonNegativeFloat
-    routed_bias_dtype: T.RoutedBiasDType = Field(description="Dtype of the expert bias; '' follows weight_dtype.")
-    enable_routed_bias_grad: bool = Field(description="False: the bias takes no gradient, only loss-free updates.")
-    routed_bias_zero_mean_update: bool = Field(description="Recentre the bias to zero mean after each update.")
-    norm_topk_prob: bool = Field(description="Normalise top-k softmax weights (sigmoid weights are always normalised).")
+    shared_experts: NonNegativeInt = _f("Shared (always-on) experts per MoE layer, added unweighted.")
+    moe_shared_expert_dim: NonNegativeInt = _f("Shared expert width; 0 falls back to base_moe_mlp_dim.")
+    routed_scaling_factor: float = _f("Multiplies the routed experts' weights.", gt=0)
+    n_routing_groups: PositiveInt = _f("Expert groups of group-limited routing (1: no groups).")
+    topk_routing_group: PositiveInt = _f("Groups kept per token (by the sum of each group's top-2 scores).")
+    routed_score_func: T.ScoreFunc = _f("Router score: sigmoid or softmax.")
+    routed_bias: bool = _f("Add a selection-only expert bias (loss-free balancing).")
+    routed_bias_update_rate: NonNegativeFloat = _f("Step of the once-per-optimizer-step expert bias update.")
+    routed_bias_dtype: T.RoutedBiasDType = _f("Dtype of the expert bias; '' follows weight_dtype.")
+    enable_routed_bias_grad: bool = _f("False: the bias takes no gradient, only loss-free updates.")
+    routed_bias_zero_mean_update: bool = _f("Recentre the bias to zero mean after each update.")
+    norm_topk_prob: bool = _f("Normalise top-k softmax weights (sigmoid weights are always normalised).")
 
 
 class Mtp(_Group):
-    mtp_num_layers: NonNegativeInt
-    mtp_loss_scaling_factor: NonNegativeFloat
-    mtp_hidden_pre_norm: bool = Field(description="Feed MTP the main hidden state before the final norm (HF: after).")
+    mtp_num_layers: NonNegativeInt = _f("Multi-token-prediction depths K (depth k predicts the token k+1 ahead).")
+    mtp_loss_scaling_factor: NonNegativeFloat = _f("Weight of the mean MTP loss added to the main loss.")
+    mtp_hidden_pre_norm: bool = _f("Feed MTP the main hidden state before the final norm (HF: after).")
 
 
 class Data(_Group):
-    dataset_type: str = Field(description="'mmap' (Megatron .bin/.idx) or 'synthetic'.")
-    data_path: str = Field(description="Megatron-style: a prefix, or 'w1 prefix1 w2 prefix2 ...'.")
-    data_split: str
-    data_seed: int
-    max_target_length: PositiveInt = Field(description="Sequence length S.")
-    max_prefill_predict_length: PositiveInt
-    add_extra_token_to_sequence: bool
-    blend_cache_dir: str = Field(description="Cache directory for generated index .npy files; '' disables caching.")
-    blend_index_dir: str = Field(description="Directory of prebuilt Megatron index .npy files to load instead of building.")
-    reset_attention_mask: bool = Field(description="Each document in a packed sample gets its own segment id.")
-    reset_position_ids: bool
-    eod_mask_loss: bool = Field(description="Exclude positions whose input token is EOD from the loss.")
-    mmap_split_sentences: bool = Field(description="Data was preprocessed with sentence splitting.")
-    grain_worker_count: NonNegativeInt
+    dataset_type: str = _f("'mmap' (Megatron .bin/.idx) or 'synthetic'.")
+    data_path: str = _f("Megatron-style: a prefix, or 'w1 prefix1 w2 prefix2 ...'.")
+    data_split: str = _f("Train/valid/test weights of the sequences, e.g. '969,30,1' (Megatron's --split).")
+    data_seed: int = _f("Seed of the Megatron document and sample shuffles.")
+    max_target_length: PositiveInt = _f("Sequence length S.")
+    add_extra_token_to_sequence: bool = _f("Samples hold S + 1 tokens so targets are inputs shifted by one (Megatron).")
+    blend_cache_dir: str = _f("Cache directory for generated index .npy files; '' disables caching.")
+    blend_index_dir: str = _f("Directory of prebuilt Megatron index .npy files to load instead of building.")
+    reset_attention_mask: bool = _f("Each document in a packed sample gets its own segment id.")
+    reset_position_ids: bool = _f("Positions restart at 0 after each EOD.")
+    eod_mask_loss: bool = _f("Exclude positions whose input token is EOD from the loss.")
+    grain_worker_count: NonNegativeInt = _f("Grain worker processes reading batches (0: in the trainer process).")
 
 
 class Tokenizer(_Group):
-    tokenizer_path: str
-    pad_id: int = Field(description="Padding id in mmap data (masked from the loss); -1 means none.")
-    bos_id: int = Field(description="BOS id inserted between documents when add_bos; -1 means none.")
-    eod_id: int
-    add_bos: bool
+    tokenizer_path: str = _f("tokenizer.json of the data (recorded with the run; not read by the trainer).")
+    pad_id: int = _f("Padding id in mmap data (masked from the loss); -1 means none.")
+    bos_id: int = _f("BOS id inserted between documents when add_bos; -1 means none.")
+    eod_id: int = _f("End-of-document id: documents in a packed sample are split after it.")
+    add_bos: bool = _f("Insert bos_id at the start of every document that begins inside a sample.")
 
 
 class Optimizer(_Group):
-    opt_type: str
-    learning_rate: float = Field(gt=0)
-    lr_schedule: T.LrSchedule
-    warmup_steps_fraction: float = Field(ge=0, le=1)
-    final_lr_fraction: float = Field(ge=0, le=1)
-    wsd_decay_steps_fraction: float = Field(ge=0, le=1)
-    adam_b1: float
-    adam_b2: float
-    adam_eps: float = Field(gt=0)
-    adam_weight_decay: NonNegativeFloat
-    weight_decay_embeddings: bool
-    gradient_clipping_threshold: NonNegativeFloat
-    calculate_per_token_loss: bool = Field(
-        description="Gradient accumulation: True divides by all tokens across micro-batches; "
-        "False averages each micro-batch, then micro-batches equally."
-    )
+    opt_type: str = _f("Optimizer (only 'adamw').")
+    learning_rate: float = _f("Peak learning rate.", gt=0)
+    lr_schedule: T.LrSchedule = _f("Decay after the linear warmup: cosine, wsd (warmup-stable-decay) or constant.")
+    warmup_steps_fraction: float = _f("Fraction of `steps` spent warming up linearly from 0.", ge=0, le=1)
+    final_lr_fraction: float = _f("Learning rate at the end of the decay, as a fraction of the peak.", ge=0, le=1)
+    wsd_decay_steps_fraction: float = _f("lr_schedule=wsd: fraction of `steps` spent decaying.", ge=0, le=1)
+    adam_b1: float = _f("Adam beta1.")
+    adam_b2: float = _f("Adam beta2.")
+    adam_eps: float = _f("Adam epsilon.", gt=0)
+    adam_weight_decay: NonNegativeFloat = _f("Decoupled weight decay of matrices (not norms, biases or the embedding).")
+    weight_decay_embeddings: bool = _f("Also decay the token embedding.")
+    gradient_clipping_threshold: NonNegativeFloat = _f("Global-norm gradient clipping; 0 disables it.")
+    calculate_per_token_loss: bool = _f(
+        "Gradient accumulation: True divides by all tokens across micro-batches; "
+        "False averages each micro-batch, then micro-batches equally.")
 
 
 class Training(_Group):
-    steps: PositiveInt
-    per_device_batch_size: float = Field(gt=0)
-    gradient_accumulation_steps: PositiveInt
-    seed: int
-    eval_interval: NonNegativeInt
-    eval_steps: NonNegativeInt
+    steps: PositiveInt = _f("Optimizer steps to train (the schedule's length).")
+    per_device_batch_size: float = _f("Sequences per device per micro-batch (may be < 1 under model parallelism).", gt=0)
+    gradient_accumulation_steps: PositiveInt = _f("Micro-batches per optimizer step.")
+    seed: int = _f("Seed of the parameter initialisation.")
+    eval_interval: NonNegativeInt = _f("Evaluate on the valid split every this many steps; 0 never.")
+    eval_steps: NonNegativeInt = _f("Validation batches per evaluation.")
 
 
 class Mesh(_Group):
-    mesh_axes: list[str]
-    ici_data_parallelism: int = Field(description="-1 fills the remaining devices.")
-    ici_fsdp_parallelism: int
-    ici_expert_parallelism: int
-    ici_tensor_parallelism: int
-    logical_axis_rules: list[tuple[str, Optional[list[str]]]]
+    ici_data_parallelism: int = _f("Size of the mesh's data axis (pure data parallelism); -1 fills the remaining devices.")
+    ici_fsdp_parallelism: int = _f("Size of the fsdp axis (parameters sharded, batch split); -1 fills.")
+    ici_expert_parallelism: int = _f("Size of the expert axis (experts sharded, batch split); -1 fills.")
+    ici_tensor_parallelism: int = _f("Size of the tensor axis (heads, MLP width, vocab sharded); -1 fills.")
+    logical_axis_rules: list[tuple[str, Optional[list[str]]]] = _f(
+        "Logical axis name -> mesh axes (null: replicated), for parameters and activations.")
 
 
 class Checkpointing(_Group):
-    load_parameters_path: str = Field(
-        description="Initial weights from a converter checkpoint (hf_to_ling2 --out) or a trainer step directory; "
+    load_parameters_path: str = _f(
+        "Initial weights from a converter checkpoint (hf_to_ling2 --out) or a trainer step directory; "
         "used only when the run has no checkpoint of its own to resume.")
-    enable_checkpointing: bool
-    async_checkpointing: bool
-    checkpoint_period: PositiveInt
-    max_checkpoints_to_keep: PositiveInt
+    enable_checkpointing: bool = _f("Save checkpoints in run_dir/checkpoints and resume from the latest.")
+    async_checkpointing: bool = _f("Write checkpoints on a background thread (the loop waits only for a copy).")
+    checkpoint_period: PositiveInt = _f("Save every this many steps (and at the end, and on SIGTERM/SIGINT).")
+    max_checkpoints_to_keep: PositiveInt = _f("Older checkpoints beyond this many are deleted.")
 
 
 class Logging(_Group):
-    log_period: PositiveInt
-    log_router_stats: bool
+    log_period: PositiveInt = _f("Log metrics every this many steps.")
+    log_router_stats: bool = _f("Add per-layer router statistics (load, violation) to the metrics.")
 
 
 GROUPS = (Model, Rope, LinearAttention, Mla, MoE, DeepSeekMoE, Mtp, Data, Tokenizer, Optimizer, Training, Mesh,
@@ -245,11 +247,9 @@ class Config(*GROUPS):
             need(v == -1 or v >= 1, name, f"must be -1 (fill) or >= 1, got {v}")
         fills = [n for n in ("data", "fsdp", "expert", "tensor") if getattr(self, f"ici_{n}_parallelism") == -1]
         need(len(fills) <= 1, "ici_*_parallelism", f"at most one axis may be -1, got {fills}")
-        need(self.mesh_axes == ["data", "fsdp", "expert", "tensor"], "mesh_axes",
-             f"must be [data, fsdp, expert, tensor], got {self.mesh_axes}")
         for logical, axes in self.logical_axis_rules:
             for a in axes or ():
-                need(a in self.mesh_axes, "logical_axis_rules", f"rule {logical!r} names unknown mesh axis {a!r}")
+                need(a in MESH_AXES, "logical_axis_rules", f"rule {logical!r} names unknown mesh axis {a!r}")
         self._derive()
         return self
 

@@ -1,80 +1,32 @@
-"""HF safetensors <-> Ling2 checkpoints, tensor by tensor, never the whole model in memory.
+"""HF safetensors <-> Ling2 state directories, tensor by tensor, never the whole model in memory.
 
-A converted Ling2 checkpoint directory holds
-  config.yml   the resolved Ling2 config (`ling2.config.to_yaml`), loadable with `read_config`
-  state/       the pure-dict state of `DecoderWithMTP` ({"decoder": ..., "mtp": ...}), every nnx
-               Variable included (Params and the RoutedBias expert biases), as sharded safetensors
-               (safetensors_io's format, model.safetensors.index.json included): one tensor per
-               leaf, named by its key path joined with "/" (e.g. decoder/layers/3/attention/qkv),
-               in the model's dtype and Ling2 shape (scanned leaves stacked [group, ...])
-`load_state` restores it into the model's own key structure for `nnx.replace_by_pure_dict`;
-it also reads a trainer step directory ({run}/checkpoints/{step}, orbax item `state` holding
-params + rest). Leaf shapes come from the config (shapes.py), not from tracing the model.
-hf_to_ling2 lays out every header first, then reads each HF tensor once (a view of the mapped
-file) and writes its Ling2 block (one expert, one scan group) straight to its file offset, in
-file order; ling2_to_hf reads each block back alone and writes HF shards the same way (see
-safetensors_io for the threads and buffers). Peak memory is about one HF tensor plus a few
-small buffers, whatever the model size (a trainer step directory is still restored whole by
-orbax).
+A Ling2 state directory (config.yml + state/, one safetensors tensor per leaf) is the format of
+`ling2.checkpoint.state`; trainer step directories are read through it too. hf_to_ling2 lays out
+every header first, then reads each HF tensor once (a view of the mapped file) and writes its
+Ling2 block (one expert, one scan group) straight to its file offset, in file order; ling2_to_hf
+reads each block back alone and writes HF shards the same way (see
+`ling2.checkpoint.safetensors_io` for the threads and buffers). Peak memory is about one HF tensor
+plus a few small buffers, whatever the model size (a trainer step directory is still restored whole
+by orbax).
 """
 
 import json
-import shutil
 from pathlib import Path
-from typing import NamedTuple
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from ling2.config import load_config, to_yaml
-from ling2.config.loader import load_yaml
-from ling2.convert import hf_config, mapping, shapes
-from ling2.convert.safetensors_io import INDEX_NAME, PlannedWriter, ShardedReader
-from ling2.layers.mtp import build_mtp
-
-CONFIG_NAME = "config.yml"
-STATE_NAME = "state"
-STATE_SHARD = 2 << 30
+from ling2.checkpoint.safetensors_io import INDEX_NAME, PlannedWriter, ShardedReader
+from ling2.checkpoint.state import (CONFIG_NAME, STATE_NAME, abstract_state, check_shapes, flat, key, load_state,
+                                    read_config, state_writer, unflat)
+from ling2.convert import hf_config, mapping
+from ling2.layers.mtp import MTP
 
 
 class ConversionError(ValueError):
     """Tensors that do not fit the model; the message lists every offender with both shapes."""
-
-
-def _flat(tree, prefix=()) -> dict:
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            out.update(_flat(v, prefix + (k,)))
-        return out
-    return {prefix: tree}
-
-
-def _unflat(flat: dict) -> dict:
-    out = {}
-    for path, v in flat.items():
-        d = out
-        for k in path[:-1]:
-            d = d.setdefault(k, {})
-        d[path[-1]] = v
-    return out
-
-
-def _key(path) -> str:
-    return "/".join(map(str, path))
-
-
-class Leaf(NamedTuple):
-    shape: tuple
-    dtype: np.dtype
-
-
-def abstract_state(cfg) -> dict:
-    """{path: Leaf(shape, dtype)} of every Variable of DecoderWithMTP(cfg), from the config (no tracing)."""
-    return {p: Leaf(s, d) for p, (s, d) in shapes.leaf_specs(cfg).items()}
 
 
 def read_hf_config(hf_dir) -> dict:
@@ -131,18 +83,18 @@ def _hf_to_sink(reader, cfg, layout, sink, allow_missing_mtp, progress, plan=Non
     todo = sorted(todo, key=lambda t: (rank[t[0].path], t[0].index))  # so blocks arrive in file order
     for e, name in tqdm(todo, desc="hf->ling2", unit="tensor", disable=not progress):
         leaf = leaves[e.path]
-        sink.add(_key(e.path), mapping.to_ling2(e, reader.read(name, copy=False), leaf.shape), e.index)
+        sink.add(key(e.path), mapping.to_ling2(e, reader.read(name, copy=False), leaf.shape), e.index)
     if skip_mtp:
-        mtp = nnx.jit(lambda: build_mtp(cfg, rngs=nnx.Rngs(cfg.seed)))()  # one compile, not one per op
-        for p, v in _flat(nnx.to_pure_dict(nnx.state(mtp))).items():
-            sink.add(_key(("mtp",) + p), np.asarray(v))
+        mtp = nnx.jit(lambda: MTP(cfg, rngs=nnx.Rngs(cfg.seed)))()  # one compile, not one per op
+        for p, v in flat(nnx.to_pure_dict(nnx.state(mtp))).items():
+            sink.add(key(("mtp",) + p), np.asarray(v))
 
 
 class _ArraySink:
     """Preallocated numpy leaves filled block by block (the in-memory twin of PlannedWriter)."""
 
     def __init__(self, leaves: dict):
-        self.arrays = {_key(p): np.empty(v.shape, v.dtype) for p, v in leaves.items()}
+        self.arrays = {key(p): np.empty(v.shape, v.dtype) for p, v in leaves.items()}
 
     def add(self, key, x, index=()):
         self.arrays[key][index] = x
@@ -158,7 +110,7 @@ def hf_to_state(reader, cfg, layout: str, allow_missing_mtp: bool = False, progr
     plan = _plan(reader, cfg, layout, allow_missing_mtp)
     sink = _ArraySink(plan[0])
     _hf_to_sink(reader, cfg, layout, sink, allow_missing_mtp, progress, plan)
-    return _unflat({p: sink.arrays[_key(p)] for p in plan[0]})
+    return unflat({p: sink.arrays[key(p)] for p in plan[0]})
 
 
 def hf_specs(cfg, layout: str, dtype=None) -> list:
@@ -177,116 +129,14 @@ def state_to_hf(state, cfg, layout: str, writer, progress: bool = True) -> None:
     leaves = abstract_state(cfg)
     es = mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()})
     if isinstance(state, ShardedReader):
-        _check_state({tuple(n.split("/")): state.shape(n) for n in state.names()}, leaves, str(state.dir))
-        block = lambda e: state.read(_key(e.path), e.index, copy=False)  # noqa: E731
+        check_shapes({tuple(n.split("/")): state.shape(n) for n in state.names()}, leaves, str(state.dir))
+        block = lambda e: state.read(key(e.path), e.index, copy=False)  # noqa: E731
     else:
-        flat = {tuple(map(str, p)): v for p, v in _flat(state).items()}
-        _check_state({p: np.shape(v) for p, v in flat.items()}, leaves, "state")
-        block = lambda e: np.asarray(flat[tuple(map(str, e.path))][e.index])  # noqa: E731
+        items = {tuple(map(str, p)): v for p, v in flat(state).items()}
+        check_shapes({p: np.shape(v) for p, v in items.items()}, leaves, "state")
+        block = lambda e: np.asarray(items[tuple(map(str, e.path))][e.index])  # noqa: E731
     for e in tqdm(es, desc="ling2->hf", unit="tensor", disable=not progress):
         writer.add(e.hf, mapping.to_hf(e, block(e), leaves[e.path].shape))
-
-
-def _check_state(shapes: dict, leaves: dict, where: str) -> None:
-    """Raises ConversionError listing every leaf whose shape ({str path: shape}) differs from the model's."""
-    want = {tuple(map(str, p)): tuple(v.shape) for p, v in leaves.items()}
-    have = {p: tuple(v) for p, v in shapes.items()}
-    lines = [f"  {_key(p)}: checkpoint {have.get(p, 'missing')} vs model {want.get(p, 'missing')}"
-             for p in sorted(set(want) | set(have)) if have.get(p) != want.get(p)]
-    if lines:
-        raise ConversionError(f"{where}: Ling2 state does not match the config:\n" + "\n".join(lines))
-
-
-def read_config(path, *overrides):
-    """A Ling2 config from a resolved YAML (e.g. the converter's config.yml), plus overrides."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConversionError(f"{path}: Ling2 config not found")
-    return load_config(load_yaml(path.read_text()), *overrides)
-
-
-def _state_writer(out_dir, cfg, leaves: dict, order=()) -> PlannedWriter:
-    """Writes config.yml and plans `state/` (one safetensors tensor per leaf, in `order` first)."""
-    out = Path(out_dir).absolute()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG_NAME).write_text(to_yaml(cfg))
-    if (out / STATE_NAME).exists():
-        shutil.rmtree(out / STATE_NAME)
-    paths = list(dict.fromkeys(list(order) + list(leaves)))
-    return PlannedWriter(out / STATE_NAME, [(_key(p), leaves[p].shape, leaves[p].dtype) for p in paths], STATE_SHARD)
-
-
-def save_state(out_dir, state: dict, cfg) -> Path:
-    """Writes config.yml and the `state/` directory (see the module doc) of an in-memory state."""
-    leaves = abstract_state(cfg)
-    flat = {tuple(map(str, p)): v for p, v in _flat(state).items()}
-    _check_state({p: np.shape(v) for p, v in flat.items()}, leaves, "state")
-    writer = _state_writer(out_dir, cfg, leaves)
-    for p in leaves:
-        writer.add(_key(p), np.asarray(flat[tuple(map(str, p))]))
-    writer.close()
-    return Path(out_dir).absolute()
-
-
-class _DictReader:
-    """{name: array} with ShardedReader's interface."""
-
-    def __init__(self, tensors: dict, where: str):
-        self.tensors, self.dir = tensors, where
-
-    def names(self):
-        return sorted(self.tensors)
-
-    def shape(self, name):
-        return tuple(self.tensors[name].shape)
-
-    def read(self, name, copy=True):
-        return np.array(self.tensors[name]) if copy else self.tensors[name]
-
-    def add(self, name, a):
-        self.tensors[name] = a
-
-
-def relayout(state: dict, cfg_from, cfg_to) -> dict:
-    """The same weights in cfg_to's parameter layout (scanned <-> unscanned), via the HF names."""
-    tensors = _DictReader({}, "relayout")
-    state_to_hf(state, cfg_from, "bailing", tensors, progress=False)
-    return hf_to_state(tensors, cfg_to, "bailing", progress=False)
-
-
-def load_state(ckpt_dir, cfg) -> dict:
-    """The pure-dict state (model key types) of a converter checkpoint or a trainer step directory.
-
-    A converter checkpoint saved with the other `scan_layers` is re-laid out to `cfg`'s.
-    """
-    saved = Path(ckpt_dir) / CONFIG_NAME
-    if saved.is_file():
-        saved_cfg = read_config(saved)
-        if saved_cfg.scan_layers != cfg.scan_layers:
-            return relayout(_load_state(ckpt_dir, saved_cfg), saved_cfg, cfg)
-    return _load_state(ckpt_dir, cfg)
-
-
-def _load_state(ckpt_dir, cfg) -> dict:
-    path = Path(ckpt_dir).absolute() / STATE_NAME
-    if (path / INDEX_NAME).is_file():  # converter layout: one safetensors tensor per leaf
-        reader = ShardedReader(path)
-        _check_state({tuple(n.split("/")): reader.shape(n) for n in reader.names()}, abstract_state(cfg), str(path))
-        return _unflat({p: reader.read(_key(p)) for p in abstract_state(cfg)})
-    if not path.is_dir():
-        raise ConversionError(f"{path}: no converter state or orbax state item")
-    with ocp.StandardCheckpointer() as ckptr:
-        tree = ckptr.restore(path)
-    if "params" in tree and "decoder" not in tree:  # trainer TrainState: trainable params + the rest
-        flat = _flat(tree["params"])
-        flat.update(_flat(tree.get("rest") or {}))
-        flat = {p[:-1] if p[-1] == "value" else p: v for p, v in flat.items()}  # nnx.State keeps Variable.value
-    else:
-        flat = _flat(tree)
-    flat = {tuple(map(str, p)): v for p, v in flat.items()}
-    leaves = abstract_state(cfg)
-    _check_state({p: np.shape(v) for p, v in flat.items()}, leaves, str(path))
-    return _unflat({p: np.asarray(flat[tuple(map(str, p))]) for p in leaves})
 
 
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -304,7 +154,7 @@ def convert_hf_to_ling2(hf_dir, out_dir, *, scan_layers: bool = False, dtype: st
                                       *overrides)
     reader = ShardedReader(hf_dir)
     plan = _plan(reader, cfg, layout, allow_missing_mtp)
-    writer = _state_writer(out_dir, cfg, plan[0], [e.path for e, _ in plan[1]])
+    writer = state_writer(out_dir, cfg, [e.path for e, _ in plan[1]])
     reader.map_pages = writer.lib is None  # the native writer maps and drops each block's pages itself
     _hf_to_sink(reader, cfg, layout, writer, allow_missing_mtp, progress, plan)
     writer.close()
@@ -334,10 +184,3 @@ def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "bailing", config=No
     index = writer.close()
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return index
-
-
-def load_into(model, ckpt_dir, cfg) -> None:
-    """Overwrites every Variable of `model` (a DecoderWithMTP of `cfg`) with a checkpoint's values."""
-    state = nnx.state(model)
-    nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, load_state(ckpt_dir, cfg)))
-    nnx.update(model, state)

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from ling2.checkpoint import state as ckpt_state
+from ling2.checkpoint.safetensors_io import INDEX_NAME, ShardedReader, ShardedWriter
 from ling2.config import load_config
 from ling2.convert import convert, hf_config, hf_to_ling2, ling2_to_hf
-from ling2.convert.safetensors_io import INDEX_NAME, ShardedReader, ShardedWriter
 from ling2.convert.testing.hf_fixtures import write_random_hf
 
 
@@ -31,12 +32,12 @@ def test_round_trip_is_bit_identical(tmp_path, hf_tiny, scan):
     assert len(set(json.loads((hf_dir / INDEX_NAME).read_text())["weight_map"].values())) > 1
     cfg = convert.convert_hf_to_ling2(hf_dir, tmp_path / "l2", scan_layers=scan, progress=False)
     assert cfg.scan_layers == scan
-    state = convert.load_state(tmp_path / "l2", cfg)
+    state = ckpt_state.load_state(tmp_path / "l2", cfg)
     if scan:  # layer 5 is the first of the scanned groups (the prefix holds the dense layer's group)
         assert state["decoder"]["groups"]["layers"][0]["attention"]["qkv"].shape[0] == 1
     other_cfg = load_config(cfg.model_dump(exclude={"model_name"}), scan_layers=not scan)
-    other = convert.load_state(tmp_path / "l2", other_cfg)  # saved with `scan`, loaded in the other layout
-    again = convert.relayout(other, other_cfg, cfg)
+    other = ckpt_state.load_state(tmp_path / "l2", other_cfg)  # saved with `scan`, loaded in the other layout
+    again = ckpt_state.relayout(other, other_cfg, cfg)
     assert jax.tree.all(jax.tree.map(np.array_equal, again, state))  # scanned <-> unscanned loses nothing
     convert.convert_ling2_to_hf(tmp_path / "l2", tmp_path / "hf2", progress=False, shard_bytes=1 << 20)
     out = ShardedReader(tmp_path / "hf2")
@@ -50,7 +51,7 @@ def test_layouts_place_tensors_as_the_model_uses_them(tmp_path, hf_tiny):
     """Spot checks against the HF layout written out by hand (independent of mapping.py)."""
     hf_dir, ref = hf_tiny
     cfg = convert.convert_hf_to_ling2(hf_dir, tmp_path / "l2", progress=False)
-    s = convert.load_state(tmp_path / "l2", cfg)["decoder"]
+    s = ckpt_state.load_state(tmp_path / "l2", cfg)["decoder"]
     E, H, D = 128, 4, 32
     qkv = ref["model.layers.1.attention.query_key_value.weight"]  # [3HD, E]: q heads, k heads, v heads
     np.testing.assert_array_equal(s["layers"][1]["attention"]["qkv"][:, 1, 2, 5], qkv[1 * H * D + 2 * D + 5])
@@ -62,7 +63,7 @@ def test_layouts_place_tensors_as_the_model_uses_them(tmp_path, hf_tiny):
     np.testing.assert_array_equal(s["layers"][6]["mlp"]["experts"]["up_proj"][11], up.T)
     np.testing.assert_array_equal(s["lm_head"]["kernel"], ref["lm_head.weight"].T)
     np.testing.assert_array_equal(s["layers"][6]["mlp"]["gate"]["expert_bias"], ref["model.layers.6.mlp.gate.expert_bias"])
-    m = convert.load_state(tmp_path / "l2", cfg)["mtp"]["depths"][0]
+    m = ckpt_state.load_state(tmp_path / "l2", cfg)["mtp"]["depths"][0]
     np.testing.assert_array_equal(m["eh_proj"], ref["model.layers.10.eh_proj.weight"].T)
     np.testing.assert_array_equal(m["final_norm"]["weight"], ref["model.layers.10.final_layernorm.weight"])
     assert E == cfg.emb_dim and H == cfg.num_query_heads and D == cfg.head_dim
@@ -187,7 +188,7 @@ def test_cli_both_directions(tmp_path, hf_tiny, capsys):
     assert hf_to_ling2.main(["--hf_dir", str(hf_dir), "--out", str(tmp_path / "l2"), "--scan_layers",
                              "--no_progress", "--set", "max_target_length=128"]) == 0
     assert "scan_layers=True" in capsys.readouterr().out
-    assert convert.read_config(tmp_path / "l2" / "config.yml").max_target_length == 128
+    assert ckpt_state.read_config(tmp_path / "l2" / "config.yml").max_target_length == 128
     assert ling2_to_hf.main(["--ckpt", str(tmp_path / "l2"), "--out", str(tmp_path / "hf2"), "--no_progress",
                              "--shard_gb", "0.001"]) == 0
     assert f"{len(ref)} tensors" in capsys.readouterr().out
@@ -231,8 +232,8 @@ def test_loading_with_another_config_lists_every_mismatch(tmp_path, hf_tiny, tin
     hf_dir, _ = hf_tiny
     convert.convert_hf_to_ling2(hf_dir, tmp_path / "l2", progress=False)
     other = load_config(model_name="ling2-tiny", base_moe_mlp_dim=32)
-    with pytest.raises(convert.ConversionError) as e:
-        convert.load_state(tmp_path / "l2", other)
+    with pytest.raises(ckpt_state.CheckpointError) as e:
+        ckpt_state.load_state(tmp_path / "l2", other)
     msg = str(e.value)
     assert "decoder/layers/6/mlp/experts/down_proj: checkpoint (16, 64, 128) vs model (16, 32, 128)" in msg
     assert "mtp/depths/0/layer/mlp/experts/up_proj: checkpoint (16, 128, 64) vs model (16, 128, 32)" in msg
@@ -251,7 +252,7 @@ def test_malformed_safetensors_name_the_file(tmp_path):
 
 def test_planned_writer_blocks_views_and_casts(tmp_path):
     """Blocks written at their offsets, in any order, from transposed views and with a cast; read back alone."""
-    from ling2.convert.safetensors_io import CHUNK, PlannedWriter
+    from ling2.checkpoint.safetensors_io import CHUNK, PlannedWriter
 
     rng = np.random.default_rng(0)
     big = rng.standard_normal((3, 600, CHUNK // 4 // 300)).astype(np.float32)  # each block spans several chunks
@@ -277,7 +278,7 @@ def test_planned_writer_blocks_views_and_casts(tmp_path):
 def test_planned_writer_gathers_small_blocks_in_any_order(tmp_path, threads):
     """Small transposed, cast and contiguous blocks (gathered into shared writes when consecutive) land at their
     offsets, on worker threads or not; checked with the safetensors package."""
-    from ling2.convert.safetensors_io import PlannedWriter
+    from ling2.checkpoint.safetensors_io import PlannedWriter
 
     rng = np.random.default_rng(1)
     x = rng.standard_normal((6, 40, 300)).astype(np.float32)  # 6 blocks of [40, 300], written from [300, 40]
@@ -297,7 +298,7 @@ def test_planned_writer_gathers_small_blocks_in_any_order(tmp_path, threads):
 
 def test_reader_views_stay_right_after_their_pages_are_released(tmp_path, monkeypatch):
     """ShardedReader unmaps read pages every RELEASE bytes; views taken before still read the file's values."""
-    from ling2.convert import safetensors_io
+    from ling2.checkpoint import safetensors_io
 
     monkeypatch.setattr(safetensors_io, "WINDOW", 4096)
     monkeypatch.setattr(safetensors_io, "RELEASE", 3 * 4096)

@@ -13,8 +13,9 @@ from flax import nnx
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from ling2.convert import convert
-from ling2.convert.safetensors_io import ShardedReader
-from ling2.layers.mtp import DecoderWithMTP
+from ling2.checkpoint.safetensors_io import ShardedReader
+from ling2.checkpoint.state import load_into
+from ling2.layers.model import Ling2Model
 
 B, T = 2, 12
 
@@ -56,8 +57,8 @@ def test_deepseek_v3_logit_parity_and_reverse(tmp_path, q_lora_rank, rope_scalin
     assert set(cfg.layer_types) == {"mla"} and cfg.inhomogeneous_layer_cycle_interval == 1
     assert cfg.q_lora_rank == (q_lora_rank or 0)
     assert cfg.rope_type == ("yarn" if rope_scaling else "default")
-    model = nnx.eval_shape(lambda: DecoderWithMTP(cfg, rngs=nnx.Rngs(1)))
-    convert.load_into(model, tmp_path / "l2", cfg)
+    model = nnx.eval_shape(lambda: Ling2Model(cfg, rngs=nnx.Rngs(1)))
+    load_into(model, tmp_path / "l2", cfg)
 
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T))
     with torch.no_grad():

@@ -17,7 +17,8 @@ from flax import nnx
 from ling2.config import load_config
 from ling2.convert import convert
 from ling2.convert.testing.hf_fixtures import write_random_hf
-from ling2.layers.mtp import DecoderWithMTP
+from ling2.checkpoint.state import load_into
+from ling2.layers.model import Ling2Model
 
 
 def rms(x, w, eps):
@@ -68,8 +69,8 @@ def test_converted_gla_layer_matches_numpy_reference(tmp_path, scan):
     write_random_hf(tmp_path / "hf", cfg, extra=w, seed=3)
     cfg = convert.convert_hf_to_ling2(tmp_path / "hf", tmp_path / "l2", scan_layers=scan, progress=False,
                                       overrides=["dtype=float32", "gla_backend=naive"])
-    model = nnx.eval_shape(lambda: DecoderWithMTP(cfg, rngs=nnx.Rngs(0)))
-    convert.load_into(model, tmp_path / "l2", cfg)
+    model = nnx.eval_shape(lambda: Ling2Model(cfg, rngs=nnx.Rngs(0)))
+    load_into(model, tmp_path / "l2", cfg)
     layers = dict(model.decoder.layer_list())
     x = np.random.default_rng(1).standard_normal((2, 9, cfg.emb_dim)).astype(np.float32)
     pos = np.broadcast_to(np.arange(9), (2, 9))

@@ -1,22 +1,20 @@
 """Which HF tensor fills which part of the Ling2 model state, for both layouts.
 
 An `Entry` ties one HF tensor to a slice of one leaf of the pure-dict state of
-`DecoderWithMTP` (`nnx.to_pure_dict(nnx.state(model))`): the leaf at `path`, indexed by
+`Ling2Model` (`nnx.to_pure_dict(nnx.state(model))`): the leaf at `path`, indexed by
 `index` (the scan group for scanned layers, then the expert for stacked experts).
 HF Linear weights are [out, in]; Ling2 kernels are [in..., out...] with the first `nin`
 dims the input, so `to_ling2` is `w.T.reshape(...)`; `nin == 0` copies (norms, the
-embedding, the expert bias). Layer i lives at decoder/layers/i unscanned; scanned, at
-decoder/prefix, decoder/groups (stacked) or decoder/suffix (see decoder.scan_plan).
-MTP depth k is HF layer num_hidden_layers + k.
+embedding, the expert bias). Where each layer lives is the layer plan's
+(`ling2.layers.plan`); HF layer i is plan layer i, MTP depth d is HF layer num_hidden_layers + d.
 """
 
-from typing import NamedTuple
-
 import math
+from typing import NamedTuple
 
 import numpy as np
 
-from ling2.layers.decoder import scan_plan
+from ling2.layers.plan import layer_plan
 
 
 class Entry(NamedTuple):
@@ -48,18 +46,6 @@ def to_hf(e: Entry, x: np.ndarray, leaf_shape: tuple) -> np.ndarray:
     if e.nin == 0:
         return x
     return x.reshape(int(np.prod(s[:e.nin])), -1).T
-
-
-def layer_location(cfg, i: int) -> tuple[tuple, tuple]:
-    """(path, index) of decoder layer i's module in the pure state dict."""
-    if not cfg.scan_layers:
-        return ("decoder", "layers", i), ()
-    p, n, k = scan_plan(cfg)
-    if i < p:
-        return ("decoder", "prefix", i), ()
-    if i < p + n * k:
-        return ("decoder", "groups", "layers", (i - p) % k), ((i - p) // k,)
-    return ("decoder", "suffix", i - p - n * k), ()
 
 
 def _attention(layout: str, attn_type: str) -> list[tuple]:
@@ -117,17 +103,17 @@ def entries(cfg, layout: str, leaves: dict) -> list[Entry]:
     emb = "model.word_embeddings.weight" if layout == "bailing" else "model.embed_tokens.weight"
     al = ("model.embed_tokens.weight",) if layout == "bailing" else ("model.word_embeddings.weight",)
     out = [Entry(emb, ("decoder", "embed", "embedding"), (), 0, al)]
-    for i in range(cfg.num_decoder_layers):
-        path, index = layer_location(cfg, i)
-        out += _block(layout, cfg.layer_types[i], cfg.mlp_types[i], cfg, f"model.layers.{i}.", path, index, False)
-    for k in range(cfg.mtp_num_layers):
-        pre, path = f"model.layers.{cfg.num_decoder_layers + k}.", ("mtp", "depths", k)
+    plan = layer_plan(cfg)
+    for s in plan.layers:
+        out += _block(layout, s.attn, s.mlp, cfg, f"model.layers.{s.index}.", s.path, s.stack, False)
+    for s in plan.mtp:
+        pre, path = f"model.layers.{s.index}.", s.path[:-1]
         final = "final_layernorm.weight" if layout == "bailing" else "shared_head.norm.weight"
         out += [Entry(pre + "enorm.weight", path + ("enorm", "weight"), (), 0, mtp=True),
                 Entry(pre + "hnorm.weight", path + ("hnorm", "weight"), (), 0, mtp=True),
                 Entry(pre + "eh_proj.weight", path + ("eh_proj",), (), 1, mtp=True),
                 Entry(pre + final, path + ("final_norm", "weight"), (), 0, mtp=True)]
-        out += _block(layout, "mla", "moe", cfg, pre, path + ("layer",), (), True)
+        out += _block(layout, s.attn, s.mlp, cfg, pre, s.path, s.stack, True)
     out += [Entry("model.norm.weight", ("decoder", "final_norm", "weight"), (), 0),
             Entry("lm_head.weight", ("decoder", "lm_head", "kernel"), (), 1)]
     out = [e for e in out if e.path in leaves]

@@ -1,4 +1,4 @@
-"""The native block writer (convert.c) against the numpy path: the same bytes, and the layouts
+"""The native block writer (ling2/checkpoint/safetensors.c) against the numpy path: the same bytes, and the layouts
 checked with the safetensors package as the independent reader."""
 
 import filecmp
@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from ling2.checkpoint import safetensors_io
+from ling2.checkpoint.safetensors_io import PlannedWriter, ShardedReader, ShardedWriter
 from ling2.config import load_config
-from ling2.convert import convert, safetensors_io
-from ling2.convert.safetensors_io import PlannedWriter, ShardedReader, ShardedWriter
+from ling2.convert import convert
 from ling2.convert.testing.hf_fixtures import write_random_hf
 
 
 def test_native_kernel_is_loaded_under_bazel(tmp_path):
-    """Bazel puts libling2_convert.so beside safetensors_io.py; there, the native path must be the one used."""
+    """Bazel puts libling2_safetensors.so beside safetensors_io.py; there, the native path must be the one used."""
     if "TEST_SRCDIR" in os.environ:
         assert safetensors_io.native() is not None
         assert PlannedWriter(tmp_path, []).lib is not None
@@ -36,7 +37,7 @@ def _same_files(a, b, suffix=""):
 @pytest.mark.parametrize("scan", [False, True])
 def test_native_and_numpy_conversions_write_identical_files(tmp_path, monkeypatch, scan):
     if safetensors_io.native() is None:
-        pytest.fail(f"{safetensors_io.LIB} not built: `bazel build //ling2/convert:{safetensors_io.LIB}`")
+        pytest.fail(f"{safetensors_io.LIB} not built: `bazel build //ling2/checkpoint:{safetensors_io.LIB}`")
     cfg = load_config(model_name="ling2-tiny")
     write_random_hf(tmp_path / "hf", cfg)
     for tag in ("native", "numpy"):

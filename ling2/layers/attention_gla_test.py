@@ -155,7 +155,9 @@ def test_sharded_layer_matches_single_device(backend):
     loss = lambda m, x: jnp.sum(jnp.sin(m(x, pos, seg)))
     out_and_grad = nnx.jit(lambda m, x: (m(x, pos, seg), nnx.grad(loss)(m, x)))
     want, want_grads = out_and_grad(layer, x)
-    mesh = sharding.make_mesh(cfg, jax.devices()[:4])
+    axes = ("data", "fsdp", "expert", "tensor")
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(2, 1, 1, 2), axes,
+                             axis_types=(jax.sharding.AxisType.Auto,) * 4)
     with sharding.use_mesh(mesh, cfg.logical_axis_rules):
         jaxpr = str(jax.make_jaxpr(lambda x: layer(x, pos, seg))(x))
         got, got_grads = out_and_grad(layer, x)

@@ -100,6 +100,20 @@ def splash_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, *, interpret=Non
     return o.swapaxes(1, 2).astype(q_BTHK.dtype)
 
 
+def matmul_params(cfg) -> int:
+    """Weights a token is multiplied by: the q path, kv_a, kv_b and dense."""
+    E, H = cfg.emb_dim, cfg.num_query_heads
+    Rq, Rkv, Dqk, Dv, Dr = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
+    q = E * Rq + Rq * H * Dqk if Rq else E * H * Dqk
+    return q + E * (Rkv + Dr) + Rkv * H * (cfg.qk_nope_head_dim + Dv) + H * Dv * E
+
+
+def mixing_flops(cfg, seq_len: int) -> float:
+    """Forward attention FLOPs per token: causal softmax attention over seq_len tokens, the mean
+    context being seq_len/2: 2 H (qk_head_dim + v_head_dim) seq_len/2."""
+    return 2 * cfg.num_query_heads * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len / 2
+
+
 class MLA(nnx.Module):
     """Multi-head latent attention. Call with x [B,T,E], positions/segment_ids [B,T]."""
 

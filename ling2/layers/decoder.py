@@ -1,19 +1,18 @@
-"""The Ling2 decoder (DecoderBlockType.LING2): embed -> layers -> final RMSNorm -> untied lm_head.
+"""The Ling2 decoder stack: embed -> layers -> final RMSNorm -> untied lm_head.
 
-Each layer is pre-norm: x += attn(norm(x)); x += mlp(norm(x)), with attn GLA or MLA by
-cfg.layer_types and mlp dense SwiGLU or MoE by cfg.mlp_types.
+Each layer is pre-norm: x += attn(norm(x)); x += mlp(norm(x)), its attention and MLP kinds
+and its place in the state given by the layer plan (`ling2.layers.plan`). Attention
+modules are looked up by kind in `ATTENTION`.
 
-With `scan_layers`, the layers split into an unscanned prefix (every leading group of
-`inhomogeneous_layer_cycle_interval` layers that holds a dense layer, so the pattern
-breaks there), scanned groups (k-1 GLA + 1 MLA, all MoE; params stacked on a leading
-"layers" axis) and an unscanned suffix (a trailing partial group, all MLA). GLA slopes
-depend on the global layer index, so each scanned group gets its own slopes as a scan
-input. Layers are built in index order in both modes, so one seed gives the same
-weights scanned or not. `remat_policy`: none, full (recompute all), save_dot (keep the
-outputs of weight matmuls, recompute the rest).
+With `scan_layers`, the plan's scanned groups keep their parameters stacked on a leading
+"layers" axis and run under one `lax.scan`; the prefix and suffix run one by one. GLA slopes
+depend on the global layer index, so each scanned group gets its own as a scan input.
+Layers are built in index order in both modes, so one seed gives the same weights scanned
+or not. `remat_policy`: none, full (recompute all), save_dot (keep the outputs of weight
+matmuls, recompute the rest).
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -25,39 +24,44 @@ from ling2.layers import norms
 from ling2.layers.attention_gla import GatedLinearAttention, layer_slopes
 from ling2.layers.attention_mla import MLA
 from ling2.layers.embed import Embed, LMHead
-from ling2.layers.moe import MoE, Mlp
+from ling2.layers.moe import MoE
+from ling2.layers.moe_experts import Mlp
+from ling2.layers.plan import LayerSpec, layer_plan
 from ling2.layers.sharding import constrain
 
 ACT = ("activation_batch", "activation_length", "activation_embed")
 
+# Attention kind (cfg.layer_types) -> module(cfg, layer index, rngs=...).
+ATTENTION = {
+    "gla": lambda cfg, i, rngs: GatedLinearAttention(cfg, i, rngs=rngs),
+    "mla": lambda cfg, i, rngs: MLA(cfg, rngs=rngs),
+}
+
 
 class DecoderOutput(NamedTuple):
-    logits: jax.Array  # [B, T, V], fp32 when cfg.float32_logits
+    logits: Optional[jax.Array]  # [B, T, V], fp32 when cfg.float32_logits; None when not asked for
     hidden_pre_norm: jax.Array  # [B, T, E], last layer output
-    hidden: jax.Array  # [B, T, E], after the final norm (what MTP consumes)
+    hidden: jax.Array  # [B, T, E], after the final norm (what MTP and the lm_head consume)
     moe_aux: dict  # {layer index: MoEAux} for every MoE layer
 
 
 class DecoderLayer(nnx.Module):
-    """One pre-norm block; `attn_type` in {gla, mla}, `mlp_type` in {dense, moe}."""
+    """One pre-norm block of `spec.attn` attention and a `spec.mlp` MLP (dense or moe)."""
 
-    def __init__(self, cfg, layer_idx: int, attn_type: str, mlp_type: str, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, spec: LayerSpec, *, rngs: nnx.Rngs):
         eps, wdt = cfg.normalization_layer_epsilon, jnp.dtype(cfg.weight_dtype)
-        self.attn_type, self.mlp_type = attn_type, mlp_type
+        self.attn_type, self.mlp_type = spec.attn, spec.mlp
         self.input_norm = norms.RMSNorm(cfg.emb_dim, eps=eps, param_dtype=wdt)
-        if attn_type == "mla":
-            self.attention = MLA(cfg, rngs=rngs)
-        elif attn_type == "gla":
-            self.attention = GatedLinearAttention(cfg, layer_idx, rngs=rngs)
-        else:
-            raise ValueError(f"layer {layer_idx}: unknown attention type {attn_type!r}")
+        if spec.attn not in ATTENTION:
+            raise ValueError(f"layer {spec.index}: unknown attention type {spec.attn!r} (known: {sorted(ATTENTION)})")
+        self.attention = ATTENTION[spec.attn](cfg, spec.index, rngs)
         self.post_attention_norm = norms.RMSNorm(cfg.emb_dim, eps=eps, param_dtype=wdt)
-        if mlp_type == "dense":
+        if spec.mlp == "dense":
             self.mlp = Mlp(cfg, cfg.mlp_dim, rngs=rngs)
-        elif mlp_type == "moe":
+        elif spec.mlp == "moe":
             self.mlp = MoE(cfg, rngs=rngs)
         else:
-            raise ValueError(f"layer {layer_idx}: unknown mlp type {mlp_type!r}")
+            raise ValueError(f"layer {spec.index}: unknown mlp type {spec.mlp!r}")
 
     def init_cache(self, batch: int, max_len: int):
         if self.attn_type == "mla":
@@ -97,15 +101,6 @@ class LayerGroup(nnx.Module):
         return x_BTE, auxes
 
 
-def scan_plan(cfg) -> tuple[int, int, int]:
-    """(prefix_end, num_groups, group_size): layers [0, prefix_end) unscanned, then num_groups
-    scanned groups of group_size, then the rest unscanned."""
-    L, k = cfg.num_decoder_layers, cfg.inhomogeneous_layer_cycle_interval
-    prefix_end = -(-cfg.first_num_dense_layers // k) * k
-    full_end = (L // k) * k
-    return min(prefix_end, full_end), max(full_end - prefix_end, 0) // k, k
-
-
 def remat(fn, policy: str):
     """Wraps fn in jax.checkpoint by cfg.remat_policy."""
     if policy == "none":
@@ -135,24 +130,22 @@ class Ling2Decoder(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         if cfg.enable_dropout and cfg.dropout_rate > 0:
             raise ValueError("enable_dropout: dropout is not implemented for the Ling2 decoder (the reference has none)")
-        L = cfg.num_decoder_layers
-        self.remat_policy, self.scan = cfg.remat_policy, cfg.scan_layers
+        plan = layer_plan(cfg)
+        self.remat_policy, self.scan = cfg.remat_policy, plan.scan
         self.embed = Embed(cfg, rngs=rngs)
-        layers = [DecoderLayer(cfg, i, cfg.layer_types[i], cfg.mlp_types[i], rngs=rngs) for i in range(L)]
+        layers = [DecoderLayer(cfg, spec, rngs=rngs) for spec in plan.layers]
         if self.scan:
-            p, n, k = scan_plan(cfg)
+            p, n, k = plan.prefix, plan.num_groups, plan.group_size
             self.prefix = nnx.List(layers[:p])
-            self.suffix = nnx.List(layers[p + n * k:])
+            self.suffix = nnx.List(layers[plan.suffix_start:])
             self.num_groups, self.group_size = n, k
-            groups = [LayerGroup(layers[p + g * k:p + (g + 1) * k]) for g in range(n)]
-            self.groups = _stack(groups) if n else None
-            # Per-group, per-position GLA log-decays [n, k, H] (rows of MLA positions unused).
+            self.groups = _stack([LayerGroup(layers[p + g * k:p + (g + 1) * k]) for g in range(n)]) if n else None
+            # Per-group, per-position GLA log-decays [n, k, H] (rows of other kinds unused).
             decays = np.zeros((max(n, 1), k, cfg.num_query_heads), np.float32)
-            for g in range(n):
-                for j in range(k):
-                    i = p + g * k + j
-                    if cfg.layer_types[i] == "gla":
-                        decays[g, j] = -layer_slopes(cfg.num_query_heads, i, L, cfg.gla_slope_layer_offset)
+            for spec in plan.layers:
+                if spec.stack and spec.attn == "gla":
+                    decays[spec.stack[0], spec.path[-1]] = -layer_slopes(
+                        cfg.num_query_heads, spec.index, cfg.num_decoder_layers, cfg.gla_slope_layer_offset)
             self.group_decays = tuple(map(tuple, decays.reshape(max(n, 1), -1).tolist()))
         else:
             self.layers = nnx.List(layers)
@@ -181,17 +174,17 @@ class Ling2Decoder(nnx.Module):
         if not self.scan:
             return list(enumerate(self.layers))
         out = list(enumerate(self.prefix))
-        if self.num_groups:
+        p, n, k = len(self.prefix), self.num_groups, self.group_size
+        if n:
             gdef, stacked = nnx.split(self.groups)
-            decays = np.asarray(self.group_decays, np.float32).reshape(self.num_groups, self.group_size, -1)
-            for g in range(self.num_groups):
+            decays = np.asarray(self.group_decays, np.float32).reshape(n, k, -1)
+            for g in range(n):
                 group = nnx.merge(gdef, jax.tree.map(lambda v: v[g], stacked))
                 for j, layer in enumerate(group.layers):
                     if layer.attn_type == "gla":
                         layer.attention.log_decay = tuple(float(d) for d in decays[g, j])
-                    out.append((len(self.prefix) + g * self.group_size + j, layer))
-        p = self.num_layers_before_suffix()
-        return out + [(p + j, layer) for j, layer in enumerate(self.suffix)]
+                    out.append((p + g * k + j, layer))
+        return out + [(p + n * k + j, layer) for j, layer in enumerate(self.suffix)]
 
     def init_cache(self, batch: int, max_len: int) -> dict:
         """Decode caches {layer index: cache}: MLA latent KV of `max_len` slots, GLA recurrent state."""
@@ -209,13 +202,18 @@ class Ling2Decoder(nnx.Module):
             x, aux[i], new[i] = layer(x, positions_BT, segment_ids_BT, cache=cache[i])
         return self._head(x, aux), new
 
-    def _head(self, x, aux) -> DecoderOutput:
+    def logits(self, hidden_BTE):
+        """Output logits [B, T, V] of final-normed hidden states."""
+        return self.embed.attend(hidden_BTE, jnp.dtype(self.logits_dtype)) if self.tied else self.lm_head(hidden_BTE)
+
+    def _head(self, x, aux, return_logits: bool = True) -> DecoderOutput:
         moe_aux = {i: a for i, a in sorted(aux.items()) if a is not None}
         hidden = self.final_norm(x)
-        logits = self.embed.attend(hidden, jnp.dtype(self.logits_dtype)) if self.tied else self.lm_head(hidden)
+        logits = self.logits(hidden) if return_logits else None
         return DecoderOutput(logits=logits, hidden_pre_norm=x, hidden=hidden, moe_aux=moe_aux)
 
-    def __call__(self, ids_BT, positions_BT=None, segment_ids_BT=None, valid_BT=None) -> DecoderOutput:
+    def __call__(self, ids_BT, positions_BT=None, segment_ids_BT=None, valid_BT=None,
+                 return_logits: bool = True) -> DecoderOutput:
         B, T = ids_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -228,11 +226,10 @@ class Ling2Decoder(nnx.Module):
             for i, layer in enumerate(self.layers):
                 x, aux[i] = run(layer, x)
         else:
-            p = len(self.prefix)
+            p, n, k = len(self.prefix), self.num_groups, self.group_size
             for i, layer in enumerate(self.prefix):
                 x, aux[i] = run(layer, x)
-            if self.num_groups:
-                n, k = self.num_groups, self.group_size
+            if n:
                 gdef, stacked = nnx.split(self.groups)
                 decays = jnp.asarray(self.group_decays, jnp.float32).reshape(n, k, self.num_heads)
 
@@ -245,11 +242,8 @@ class Ling2Decoder(nnx.Module):
                     for g in range(n):
                         aux[p + g * k + j] = None if a is None else jax.tree.map(lambda v: v[g], a)
             for j, layer in enumerate(self.suffix):
-                x, aux[self.num_layers_before_suffix() + j] = run(layer, x)
-        return self._head(x, aux)
-
-    def num_layers_before_suffix(self) -> int:
-        return len(self.prefix) + self.num_groups * self.group_size
+                x, aux[p + n * k + j] = run(layer, x)
+        return self._head(x, aux, return_logits)
 
 
 DECODERS = {DecoderBlockType.LING2: Ling2Decoder}

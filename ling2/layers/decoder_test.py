@@ -1,6 +1,8 @@
 """Ling2 decoder: layer plan, scan == unrolled (outputs and grads), remat policies, causality,
 packing isolation, bf16 vs fp32, logical names on every parameter."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ from flax import nnx
 
 from ling2.config import load_config
 from ling2.layers import decoder
+from ling2.layers.plan import layer_plan, scan_layout
 
 # 7 layers in groups of 2 (GLA + MLA): layer 0 dense -> prefix [0, 2), scanned groups
 # [2, 4) and [4, 6), suffix [6] (a trailing partial group, MLA).
@@ -44,7 +47,7 @@ GRAD = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True))
 def by_layer(state, cfg):
     """Flat {('layers', i, ...): array} from an unrolled or a scanned model's state."""
     out = {}
-    p, n, k = decoder.scan_plan(cfg)
+    p, n, k = scan_layout(cfg)
     for path, v in nnx.to_flat_state(state):
         v = np.asarray(v[...] if hasattr(v, "get_metadata") else v)
         if path[0] == "layers":
@@ -64,11 +67,30 @@ def by_layer(state, cfg):
 def test_scan_plan_and_layer_types():
     cfg = small()
     assert cfg.layer_types == ("gla", "mla") * 3 + ("mla",)
-    assert decoder.scan_plan(cfg) == (2, 2, 2)
-    assert decoder.scan_plan(small(first_num_dense_layers=0)) == (0, 3, 2)
-    assert decoder.scan_plan(small(first_num_dense_layers=3)) == (4, 1, 2)
+    assert scan_layout(cfg) == (2, 2, 2)
+    assert scan_layout(small(first_num_dense_layers=0)) == (0, 3, 2)
+    assert scan_layout(small(first_num_dense_layers=3)) == (4, 1, 2)
     ling2 = load_config(model_name="ling2")
-    assert decoder.scan_plan(ling2) == (5, 3, 5)  # layer 0 dense -> its group unscanned
+    assert scan_layout(ling2) == (5, 3, 5)  # layer 0 dense -> its group unscanned
+
+
+def test_layer_plan_places_every_layer():
+    """Hand-written plan of SMALL scanned: prefix [0, 2), groups of 2 at [2, 6), suffix [6]."""
+    plan = layer_plan(small(scan_layers=True, mtp_num_layers=1))
+    got = [(s.index, s.attn, s.mlp, s.path, s.stack) for s in plan.all()]
+    assert got == [(0, "gla", "dense", ("decoder", "prefix", 0), ()), (1, "mla", "moe", ("decoder", "prefix", 1), ()),
+                   (2, "gla", "moe", ("decoder", "groups", "layers", 0), (0,)),
+                   (3, "mla", "moe", ("decoder", "groups", "layers", 1), (0,)),
+                   (4, "gla", "moe", ("decoder", "groups", "layers", 0), (1,)),
+                   (5, "mla", "moe", ("decoder", "groups", "layers", 1), (1,)),
+                   (6, "mla", "moe", ("decoder", "suffix", 0), ()),
+                   (7, "mla", "moe", ("mtp", "depths", 0, "layer"), ())]
+    flat = layer_plan(small(mtp_num_layers=0))
+    assert [s.path for s in flat.all()] == [("decoder", "layers", i) for i in range(7)] and not flat.scan
+    with pytest.raises(ValueError, match="one pattern"):  # scanned groups must repeat one layer pattern
+        layer_plan(types.SimpleNamespace(num_decoder_layers=4, inhomogeneous_layer_cycle_interval=2,
+                                         first_num_dense_layers=0, layer_types=("gla", "mla", "mla", "gla"),
+                                         mlp_types=("moe",) * 4, scan_layers=True, mtp_num_layers=0))
 
 
 @pytest.fixture(scope="module")

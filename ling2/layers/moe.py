@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from ling2.layers import moe_ep, moe_experts, moe_router
-from ling2.layers.moe_experts import Mlp  # noqa: F401  (the dense MLP of the first layers)
-from ling2.layers.moe_router import RoutedBias, router_metrics, update_routed_bias  # noqa: F401
+from ling2.layers import moe_ep, moe_experts, moe_gmm, moe_router
+from ling2.layers.moe_experts import Mlp
+from ling2.layers.moe_router import router_metrics, update_routed_bias
 
 F32 = jnp.float32
 
@@ -47,6 +47,14 @@ class MoEAux:
 def bias_update(bias_E, counts_E, cfg):
     """The once-per-optimizer-step expert bias update, with the config's rate and recentring."""
     return update_routed_bias(bias_E, counts_E, cfg.routed_bias_update_rate, cfg.routed_bias_zero_mean_update)
+
+
+def matmul_params(cfg, active: bool = True) -> int:
+    """Router plus SwiGLU expert weights a token is multiplied by (`active`: its top-k routed experts;
+    else all of them) plus the shared experts."""
+    E, N, F = cfg.emb_dim, cfg.num_experts, cfg.base_moe_mlp_dim
+    experts = cfg.num_experts_per_tok if active else N
+    return E * N + experts * 3 * E * F + 3 * E * cfg.shared_experts * cfg.shared_expert_dim
 
 
 class MoE(nnx.Module):
@@ -85,7 +93,7 @@ class MoE(nnx.Module):
             lb_loss = cfg.load_balance_loss_weight * moe_router.load_balance_loss(r.scores_TE, counts_E, valid_T)
 
         w = self.experts.weights(dtype)
-        gmm = self.gmm or moe_experts.default_gmm()
+        gmm = self.gmm or moe_gmm.default_gmm()
         experts_BSK, weights_BSK = r.experts_TK.reshape(B, S, K), r.weights_TK.reshape(B, S, K)
         mesh = jax.sharding.get_abstract_mesh()
         if not cfg.sparse_matmul:

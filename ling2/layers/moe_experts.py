@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ling2.layers.moe_gmm import default_gmm, gather_rows, grouped_ffn  # noqa: F401
+from ling2.layers.moe_gmm import gather_rows, grouped_ffn
 
 F32 = jnp.float32
 

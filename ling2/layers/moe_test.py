@@ -12,7 +12,8 @@ from flax import nnx
 
 from ling2.config import load_config
 from ling2.layers import moe_experts, moe_gmm, moe_router
-from ling2.layers.moe import MoE, MoEAux, RoutedBias, bias_update
+from ling2.layers.moe import MoE, MoEAux, bias_update
+from ling2.layers.moe_router import RoutedBias
 
 
 def tiny(**kw):

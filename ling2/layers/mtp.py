@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling2.layers import losses, norms
-from ling2.layers.decoder import DecoderLayer, DecoderOutput, build_decoder, remat
+from ling2.layers.decoder import DecoderLayer, DecoderOutput, remat
+from ling2.layers.plan import LayerSpec, layer_plan
 
 
 def roll_and_mask_by_segment(x_BT, segment_ids_BT, k: int, fill=0):
@@ -84,14 +85,14 @@ class MTPOutput(NamedTuple):
 class MTPDepth(nnx.Module):
     """One next-n module: enorm, hnorm, eh_proj [2E, E], a MLA + MoE DecoderLayer, final norm."""
 
-    def __init__(self, cfg, layer_idx: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, spec: LayerSpec, *, rngs: nnx.Rngs):
         E, eps, wdt = cfg.emb_dim, cfg.normalization_layer_epsilon, jnp.dtype(cfg.weight_dtype)
         self.enorm = norms.RMSNorm(E, eps=eps, param_dtype=wdt)
         self.hnorm = norms.RMSNorm(E, eps=eps, param_dtype=wdt)
         init = nnx.initializers.normal(cfg.init_std)
         self.eh_proj = nnx.Param(init(rngs.params(), (2 * E, E), wdt), out_sharding=("embed", None),
                                  eager_sharding=False)
-        self.layer = DecoderLayer(cfg, layer_idx, "mla", "moe", rngs=rngs)
+        self.layer = DecoderLayer(cfg, spec, rngs=rngs)
         self.final_norm = norms.RMSNorm(E, eps=eps, param_dtype=wdt)
         self.dtype = cfg.dtype
 
@@ -110,9 +111,8 @@ class MTP(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         if cfg.mtp_num_layers < 1:
             raise ValueError("mtp_num_layers: MTP needs >= 1 layer (use build_mtp, which returns None for 0)")
-        L = cfg.num_decoder_layers
-        self.first_layer_idx = L
-        self.depths = nnx.List([MTPDepth(cfg, L + k, rngs=rngs) for k in range(cfg.mtp_num_layers)])
+        self.first_layer_idx = cfg.num_decoder_layers
+        self.depths = nnx.List([MTPDepth(cfg, spec, rngs=rngs) for spec in layer_plan(cfg).mtp])
         self.pre_norm = cfg.mtp_hidden_pre_norm
         self.remat_policy = cfg.remat_policy
         self.logits_dtype = "float32" if cfg.float32_logits else cfg.dtype
@@ -159,36 +159,3 @@ class MTP(nnx.Module):
                 all_logits.append(logits)
         return MTPOutput(ce_sum=jnp.stack(sums), ce_count=jnp.stack(counts), correct=jnp.stack(corrects),
                          moe_aux=moe_aux, logits=tuple(all_logits) if return_logits else None)
-
-
-def build_mtp(cfg, *, rngs: nnx.Rngs):
-    """MTP(cfg), or None when cfg.mtp_num_layers == 0 (nothing built)."""
-    return MTP(cfg, rngs=rngs) if cfg.mtp_num_layers else None
-
-
-class DecoderWithMTP(nnx.Module):
-    """The decoder plus its MTP modules (built after it, so the decoder's weights do not depend on MTP).
-
-    Returns (DecoderOutput, MTPOutput or None); with mtp_num_layers == 0 it is the plain decoder.
-    """
-
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        self.decoder = build_decoder(cfg, rngs=rngs)
-        self.mtp = build_mtp(cfg, rngs=rngs)
-
-    def __call__(self, ids_BT, targets_BT=None, loss_weights_BT=None, positions_BT=None, segment_ids_BT=None,
-                 valid_BT=None, return_logits: bool = False):
-        out = self.decoder(ids_BT, positions_BT, segment_ids_BT, valid_BT)
-        if self.mtp is None:
-            return out, None
-        if targets_BT is None or loss_weights_BT is None:
-            raise ValueError("DecoderWithMTP: MTP needs targets_BT and loss_weights_BT")
-        B, T = ids_BT.shape
-        if positions_BT is None:
-            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        if segment_ids_BT is None:
-            segment_ids_BT = jnp.ones((B, T), jnp.int32)
-        d = self.decoder
-        mtp = self.mtp(d.embed, d.lm_head, out, ids_BT, targets_BT, loss_weights_BT, positions_BT, segment_ids_BT,
-                       valid_BT, return_logits)
-        return out, mtp

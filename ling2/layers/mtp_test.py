@@ -2,10 +2,8 @@
 the wiring of depth 1 against a hand composition, gradients to the shared embedding and
 lm_head, no-MTP == plain decoder bit for bit, and packing isolation with MTP on.
 
-Model: ling2-tiny cut to 2 layers (GLA dense, MLA MoE), vocab 1024, two MTP depths.
+Model: ling2-micro (GLA dense, MLA MoE), vocab 1024, two MTP depths.
 """
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,15 +13,15 @@ from flax import nnx
 
 from ling2.config import load_config
 from ling2.layers.decoder import build_decoder
-from ling2.layers.mtp import (MTP, DecoderWithMTP, acceptance_rate, build_mtp, depth_token_counts, mtp_loss,
+from ling2.layers.model import Ling2Model
+from ling2.layers.mtp import (MTP, acceptance_rate, depth_token_counts, mtp_loss,
                               roll_and_mask_by_segment)
 
 F = -1  # fill value in the hand-written cases
 
 
 def _cfg(**kw):
-    base = dict(model_name="ling2-tiny", base_num_decoder_layers=2, inhomogeneous_layer_cycle_interval=2,
-                vocab_size=1024, mtp_num_layers=2)
+    base = dict(model_name="ling2-micro", vocab_size=1024, mtp_num_layers=2)
     return load_config(**{**base, **kw})
 
 
@@ -116,13 +114,15 @@ def _batch(V):
 
 @nnx.jit(static_argnames="return_logits")
 def _forward(model, ids, targets, w, pos, seg, return_logits=True):
-    return model(ids, targets, w, pos, seg, return_logits=return_logits)
+    out = model(ids, pos, seg)
+    d = model.decoder
+    return out, model.mtp(d.embed, d.lm_head, out, ids, targets, w, pos, seg, return_logits=return_logits)
 
 
 @pytest.fixture(scope="module")
 def setup():
     cfg = _cfg()
-    model = DecoderWithMTP(cfg, rngs=nnx.Rngs(0))
+    model = Ling2Model(cfg, rngs=nnx.Rngs(0))
     batch = _batch(cfg.vocab_size)
     out, mtp = _forward(model, *map(jnp.asarray, batch))
     return cfg, model, batch, out, mtp
@@ -245,17 +245,16 @@ def test_tied_head_uses_the_embedding(setup):
 
 def test_no_mtp_is_the_plain_decoder_bit_for_bit():
     cfg = _cfg(mtp_num_layers=0)
-    assert build_mtp(cfg, rngs=nnx.Rngs(0)) is None
     with pytest.raises(ValueError, match="mtp_num_layers"):
         MTP(cfg, rngs=nnx.Rngs(0))
-    wrapped, plain = DecoderWithMTP(cfg, rngs=nnx.Rngs(0)), build_decoder(cfg, rngs=nnx.Rngs(0))
+    wrapped, plain = Ling2Model(cfg, rngs=nnx.Rngs(0)), build_decoder(cfg, rngs=nnx.Rngs(0))
     assert wrapped.mtp is None
     ws, ps = nnx.to_flat_state(nnx.state(wrapped, nnx.Param)), nnx.to_flat_state(nnx.state(plain, nnx.Param))
     assert [p[1:] for p, _ in ws] == [p for p, _ in ps]  # only the decoder's params, same names
     for (_, a), (_, b) in zip(ws, ps):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]))
     ids, targets, w, pos, seg = map(jnp.asarray, _batch(cfg.vocab_size))
-    got, none = nnx.jit(lambda m: m(ids, targets, w, pos, seg))(wrapped)
+    got, none = nnx.jit(lambda m: (m(ids, pos, seg), m.loss_sums(ids, targets, w, pos, seg).mtp))(wrapped)
     want = nnx.jit(lambda m: m(ids, pos, seg))(plain)
     assert none is None
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -7,8 +7,9 @@ import jax
 import numpy as np
 
 from ling2.config import load_config
-from ling2.train import loop
-from ling2.train.checkpoint import Checkpointer
+from ling2.checkpoint.manager import Checkpointer
+from ling2.train import loop, runtime
+from ling2.train.state import fields, init_state, load_parameters
 from ling2.train.data import make_iterator_factory
 from ling2.train.testing import e2e
 from ling2.train.train import find_file
@@ -22,13 +23,13 @@ def test_new_run_starts_from_given_weights(tmp_path):
     loop.run(cfg, tmp_path / "a", make, tensorboard=False, log=lambda s: None, devices=devices)
 
     b = cfg.model_copy(update={"load_parameters_path": str(tmp_path / "a" / "checkpoints" / "2")})
-    mesh = loop.sharding.make_mesh(b, devices)
-    gd, tx, _, fresh = loop.init_state(b, mesh)
+    mesh = runtime.make_mesh(b, devices)
+    gd, tx, _, fresh = init_state(b, mesh)
     fresh_leaves = [np.array(x) for x in jax.tree.leaves(fresh.params)]
-    started = loop.load_parameters(b, gd, fresh, tx)
+    started = load_parameters(b, gd, fresh, tx)
 
     ck = Checkpointer(tmp_path / "a" / "checkpoints", cfg)
-    saved, _ = ck.restore(2, loop._fields(fresh), None)
+    saved, _ = ck.restore(2, fields(fresh), None)
     ck.close()
     want = jax.tree.leaves(saved["params"])
     got = jax.tree.leaves(started.params)

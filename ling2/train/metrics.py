@@ -1,6 +1,8 @@
 """Metrics: `metrics.jsonl` (one JSON object per logged step) and TensorBoard event files.
 
-Only process 0 writes. Values are plain floats; nested dicts are flattened with '/'.
+Only process 0 writes. Values are plain floats (non-finite ones as the strings "nan", "inf",
+"-inf", which JSON cannot hold); nested dicts are flattened with '/'. `read_metrics` is the
+one reader.
 """
 
 import json
@@ -9,6 +11,9 @@ import time
 from pathlib import Path
 
 import jax
+
+
+NON_FINITE = ("nan", "inf", "-inf")
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -52,8 +57,25 @@ class MetricsWriter:
                 self._tb.close()
 
 
-def read_jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def read_metrics(path) -> list[dict]:
+    """The records of a metrics.jsonl, one per step in step order (a resumed run's later record of a
+    step wins), with the non-finite values written as strings ("nan", "inf") back as floats.
+
+    Raises ValueError naming the file and line of a malformed record, or an empty file."""
+    path = Path(path)
+    last = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            step = int(rec["step"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}:{n}: not a metrics record ({e})") from None
+        last[step] = {k: float(v) if v in NON_FINITE else v for k, v in rec.items()}
+    if not last:
+        raise ValueError(f"{path}: no metrics")
+    return [last[s] for s in sorted(last)]
 
 
 def progress_line(step: int, total: int, m: dict, eta_s: float) -> str:

@@ -8,10 +8,8 @@ from ling2.train import loop
 from ling2.train.data import make_iterator_factory
 from ling2.train.train import find_file
 
-MICRO = dict(model_name="ling2-tiny", base_num_decoder_layers=2, inhomogeneous_layer_cycle_interval=2,
-             base_emb_dim=64, base_mlp_dim=128, num_experts=8, num_experts_per_tok=2, n_routing_groups=1,
-             topk_routing_group=1, max_target_length=32, eval_interval=0, eval_steps=0, data_split="98,2,0",
-             log_period=1, steps=4, enable_checkpointing=False, warmup_steps_fraction=0.0)
+MICRO = dict(model_name="ling2-micro", eval_interval=0, eval_steps=0, data_split="98,2,0", log_period=1, steps=4,
+             enable_checkpointing=False, warmup_steps_fraction=0.0)
 
 
 def _run(tmp, devices, **kw):

@@ -10,50 +10,29 @@ micro-batch's objective is already scaled and their gradients simply add up.
 MoE aux losses (already per-token means inside a layer) weigh 1/M per micro-batch.
 """
 
-from typing import Any
+import functools
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx, struct
+from flax import nnx
 
-from ling2.layers import losses
-from ling2.layers.moe_router import RoutedBias
 from ling2.layers.mtp import depth_token_counts
-from ling2.train import model as model_lib
+from ling2.train.state import TrainState, trainable_filter
 
 F32 = jnp.float32
-
-
-@struct.dataclass
-class TrainState:
-    step: jax.Array
-    params: Any  # trainable nnx.State
-    rest: Any  # everything else (expert biases when they take no gradient)
-    opt_state: Any
-    skipped: jax.Array  # consecutive non-finite steps
-    skipped_total: jax.Array
-
-
-def trainable_filter(cfg):
-    return nnx.Any(nnx.Param, RoutedBias) if cfg.enable_routed_bias_grad else nnx.Param
 
 
 def forward(graphdef, params, rest, mb, cfg, norms):
     """Objective of one micro-batch (already scaled for accumulation) and its additive sums."""
     model = nnx.merge(graphdef, params, rest)
-    valid = mb["segment_ids"] != 0
-    out = model.decoder(mb["inputs"], mb["positions"], mb["segment_ids"], valid)
-    ce, n, hits = losses.cross_entropy_sums(out.logits, mb["targets"], mb["loss_weights"])
+    s = model.loss_sums(mb["inputs"], mb["targets"], mb["loss_weights"], mb["positions"], mb["segment_ids"])
+    ce, n = s.ce, s.tokens
     M = cfg.gradient_accumulation_steps
     objective = ce / norms["tokens"] if cfg.calculate_per_token_loss else ce / jnp.maximum(n, 1) / M
-    moe_aux = dict(out.moe_aux)
-    sums = {"ce": ce, "tokens": n, "hits": hits, "ce_micro_mean": ce / jnp.maximum(n, 1) / M}
-    if model.mtp is not None:
-        hidden = out.hidden_pre_norm if cfg.mtp_hidden_pre_norm else out.hidden
-        mo = model.mtp(model.decoder.embed, model.decoder.lm_head, hidden, mb["inputs"], mb["targets"],
-                       mb["loss_weights"], mb["positions"], mb["segment_ids"], valid)
-        moe_aux.update(mo.moe_aux)
+    sums = {"ce": ce, "tokens": n, "hits": s.hits, "ce_micro_mean": ce / jnp.maximum(n, 1) / M}
+    if s.mtp is not None:
+        mo = s.mtp
         if cfg.calculate_per_token_loss:
             per_depth = mo.ce_sum / jnp.maximum(norms["mtp_tokens"], 1)
         else:
@@ -61,11 +40,11 @@ def forward(graphdef, params, rest, mb, cfg, norms):
         objective += cfg.mtp_loss_scaling_factor * jnp.mean(per_depth)
         sums.update(mtp_ce=mo.ce_sum, mtp_tokens=mo.ce_count, mtp_correct=mo.correct,
                     mtp_micro_mean=mo.ce_sum / jnp.maximum(mo.ce_count, 1) / M)
-    aux_loss = sum((a.loss for a in moe_aux.values()), jnp.zeros((), F32))
+    aux_loss = sum((a.loss for a in s.moe_aux.values()), jnp.zeros((), F32))
     objective += aux_loss / M
     sums["aux_loss"] = aux_loss
-    sums["moe_counts"] = {i: a.counts.astype(F32) for i, a in moe_aux.items()}
-    sums["moe_stats"] = {i: a.stats for i, a in moe_aux.items()}
+    sums["moe_counts"] = {i: a.counts.astype(F32) for i, a in s.moe_aux.items()}
+    sums["moe_stats"] = {i: a.stats for i, a in s.moe_aux.items()}
     return objective, sums
 
 
@@ -105,7 +84,7 @@ def train_step(graphdef, tx, cfg, state: TrainState, batch: dict, lr_fn):
     rest = state.rest
     if cfg.routed_bias and sums["moe_counts"]:
         model = nnx.merge(graphdef, params, rest)
-        model_lib.apply_bias_updates(model, sums["moe_counts"], cfg)
+        model.update_expert_biases(sums["moe_counts"], cfg)
         _, _, new_rest = nnx.split(model, trainable_filter(cfg), ...)
         if not cfg.enable_routed_bias_grad:
             rest = keep(new_rest, state.rest)
@@ -127,3 +106,8 @@ def train_step(graphdef, tx, cfg, state: TrainState, batch: dict, lr_fn):
         metrics["mtp_total"] = cfg.mtp_loss_scaling_factor * jnp.mean(mtp)
     metrics["moe"] = {"counts": sums["moe_counts"], "stats": sums["moe_stats"]}
     return new_state, metrics
+
+
+def jit_train_step(graphdef, tx, cfg, lr_fn):
+    """train_step compiled for this model and optimizer; the state argument is donated."""
+    return jax.jit(functools.partial(train_step, graphdef, tx, cfg, lr_fn=lr_fn), donate_argnums=(0,))

@@ -17,22 +17,21 @@ from ling2.config import load_config
 from ling2.layers import losses
 from ling2.layers.moe_router import update_routed_bias
 from ling2.train import step as S
-from ling2.train.model import Model, bias_rows
+from ling2.layers.model import Ling2Model
+from ling2.train.state import TrainState, trainable_filter
 from ling2.train.optim import make_optimizer
 
-MICRO = dict(model_name="ling2-tiny", base_num_decoder_layers=2, inhomogeneous_layer_cycle_interval=2,
-             mtp_num_layers=0, base_emb_dim=64, base_mlp_dim=128, num_experts=8, num_experts_per_tok=2,
-             n_routing_groups=1, topk_routing_group=1, vocab_size=128, max_target_length=16, warmup_steps_fraction=0.0,
+MICRO = dict(model_name="ling2-micro", mtp_num_layers=0, vocab_size=128, max_target_length=16, warmup_steps_fraction=0.0,
              lr_schedule="constant", gradient_clipping_threshold=0.0, adam_weight_decay=0.0)
 
 
 def make(**kw):
     cfg = load_config(**{**MICRO, **kw})
-    model = Model(cfg, rngs=nnx.Rngs(0))
-    gd, params, rest = nnx.split(model, S.trainable_filter(cfg), ...)
+    model = Ling2Model(cfg, rngs=nnx.Rngs(0))
+    gd, params, rest = nnx.split(model, trainable_filter(cfg), ...)
     tx, sched = make_optimizer(cfg, params)
     z = lambda: jnp.zeros((), jnp.int32)
-    state = S.TrainState(step=z(), params=params, rest=rest, opt_state=tx.init(params), skipped=z(), skipped_total=z())
+    state = TrainState(step=z(), params=params, rest=rest, opt_state=tx.init(params), skipped=z(), skipped_total=z())
     fn = jax.jit(functools.partial(S.train_step, gd, tx, cfg, lr_fn=sched))
     return cfg, gd, state, fn
 
@@ -105,8 +104,8 @@ def test_bias_updated_once_per_optimizer_step_from_summed_counts():
     cfg, gd, s, f = make(gradient_accumulation_steps=M, routed_bias_update_rate=0.01, routed_bias_zero_mean_update=True)
     b = batch(M, 2, seed=5)
     new, m = f(s, b)
-    before = {tuple(idx): np.asarray(v[...]) for v, idx in bias_rows(nnx.merge(gd, s.params, s.rest))}
-    after = {tuple(idx): np.asarray(v[...]) for v, idx in bias_rows(nnx.merge(gd, new.params, new.rest))}
+    before = {tuple(idx): np.asarray(v[...]) for v, idx in nnx.merge(gd, s.params, s.rest).expert_biases()}
+    after = {tuple(idx): np.asarray(v[...]) for v, idx in nnx.merge(gd, new.params, new.rest).expert_biases()}
     assert before.keys() == after.keys() and before
     for idx, old in before.items():
         counts = np.asarray(m["moe"]["counts"][idx[0]])

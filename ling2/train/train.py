@@ -18,7 +18,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "configs/train/tiny_sample.yml",
                     "Root config file (relative paths: the working directory, then the repository).")
 flags.DEFINE_string("run_dir", "runs/ling2-tiny", "Where checkpoints and metrics go (relative: the working directory).")
-flags.DEFINE_bool("dry_run", False, "Compile the train step for the mesh, print memory per device, don't train.")
+flags.DEFINE_bool("dry_run", False, "Compile the train step for the mesh from abstract state (no data, nothing "
+                  "materialised), print memory per device, don't train.")
 flags.DEFINE_integer("max_consecutive_skips", 5, "Stop after this many non-finite steps in a row.")
 flags.DEFINE_bool("tensorboard", True, "Write TensorBoard event files next to metrics.jsonl.")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 for multi-host (or LING2_COORDINATOR).")
@@ -50,7 +51,7 @@ def main(argv):
         print(f"error: bad config: {e}", file=sys.stderr)
         return 2
 
-    from ling2.train.checkpoint import CheckpointError
+    from ling2.checkpoint.state import CheckpointError
     from ling2.train.data import DataError, make_iterator_factory
     from ling2.train.loop import TrainingError, run
 
@@ -59,7 +60,7 @@ def main(argv):
     run_dir = user_path(FLAGS.run_dir)
     try:
         result = run(cfg, run_dir, make_iterator_factory(find_file), max_consecutive_skips=FLAGS.max_consecutive_skips,
-                     dry_run=FLAGS.dry_run, tensorboard=FLAGS.tensorboard)
+                     dry_run_only=FLAGS.dry_run, tensorboard=FLAGS.tensorboard)
     except (DataError, CheckpointError, TrainingError, ConfigError) as e:
         first, _, detail = str(e).partition("\n")
         print(f"error: {type(e).__name__}: {first}", file=sys.stderr)

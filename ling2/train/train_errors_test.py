@@ -8,7 +8,7 @@ import pytest
 
 from ling2.config import load_config
 from ling2.train import loop
-from ling2.train.checkpoint import CheckpointError
+from ling2.checkpoint.state import CheckpointError
 from ling2.train.data import make_iterator_factory
 from ling2.train.testing import e2e
 from ling2.train.train import find_file

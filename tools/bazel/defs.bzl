@@ -1,19 +1,29 @@
-"""Macros for ling2 packages: a library of one package's modules, and the pytest test."""
+"""Macros for ling2 packages: one library per package, its binaries, and one pytest target per test file."""
 
 def ling2_py_library(name, srcs = None, deps = [], **kwargs):
-    """A py_library of a ling2 package: `srcs` (default [name + ".py"]) plus the package's
-    __init__.py, depending on the top-level ling2 package. Other arguments go to py_library."""
-    native.py_library(
-        name = name,
-        srcs = ["__init__.py"] + (srcs if srcs != None else [name + ".py"]),
-        deps = deps + ["//:ling2_pkg"],
-        **kwargs
-    )
+    """The library of a ling2 package: `srcs` (default: every module but tests) plus __init__.py,
+    depending on the top-level ling2 package. Other arguments go to py_library."""
+    if srcs == None:
+        srcs = native.glob(["*.py"], exclude = ["*_test.py", "__init__.py"])
+    native.py_library(name = name, srcs = ["__init__.py"] + srcs, deps = deps + ["//:ling2_pkg"], **kwargs)
+
+def ling2_py_binary(name, deps, data = [], **kwargs):
+    """The py_binary `name` of module `name`.py."""
+    native.py_binary(name = name, srcs = [name + ".py"], deps = deps, data = data, python_version = "PY3", **kwargs)
 
 def ling2_native_library(name, srcs, **kwargs):
     """A small C kernel as a shared library `name` (e.g. "libling2_x.so"), for a py_library's
     `data`, loaded with ctypes through `ling2.native.load`."""
     native.cc_binary(name = name, srcs = srcs, copts = ["-O3"], linkshared = True, **kwargs)
+
+def ling2_py_tests(deps, srcs = None, data = [], size = "medium", sizes = {}, devices = {}, tags = {}, **kwargs):
+    """One `ling2_py_test` per test file (default: every *_test.py of the package), named after it.
+
+    `sizes`, `devices` and `tags` map a test name to its own value; `size` is everyone else's."""
+    for src in (srcs if srcs != None else native.glob(["*_test.py"])):
+        name = src[:-len(".py")]
+        ling2_py_test(name = name, srcs = [src], deps = deps, data = data, size = sizes.get(name, size),
+                      devices = devices.get(name, 0), tags = tags.get(name, []), **kwargs)
 
 def ling2_py_test(name, srcs, deps = [], data = [], devices = 0, env = {}, args = [], size = "small", **kwargs):
     """A pytest-driven py_test.
@@ -46,3 +56,8 @@ def ling2_py_test(name, srcs, deps = [], data = [], devices = 0, env = {}, args 
         srcs_version = "PY3",
         **kwargs
     )
+
+def ling2_bench(deps, **kwargs):
+    """A benchmark package's `bench` binary (bench.py), with the shared memory helper."""
+    native.py_binary(name = "bench", srcs = ["bench.py"], deps = deps + ["//tools/bench:memory"],
+                     python_version = "PY3", **kwargs)

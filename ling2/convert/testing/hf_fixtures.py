@@ -4,8 +4,9 @@ import json
 
 import numpy as np
 
-from ling2.convert import convert, hf_config, mapping
-from ling2.convert.safetensors_io import ShardedWriter
+from ling2.checkpoint.safetensors_io import ShardedWriter
+from ling2.checkpoint.state import abstract_state
+from ling2.convert import hf_config, mapping
 
 
 def write_random_hf(directory, cfg, layout="bailing", drop=(), rename=None, extra=None, seed=0, dtype=np.float32,
@@ -14,7 +15,7 @@ def write_random_hf(directory, cfg, layout="bailing", drop=(), rename=None, extr
 
     drop: names left out; rename: {old: new}; extra: tensors added or replacing generated ones.
     """
-    leaves = convert.abstract_state(cfg)
+    leaves = abstract_state(cfg)
     rng = np.random.default_rng(seed)
     tensors = {}
     for e in mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()}):

@@ -1,16 +1,15 @@
 """Helpers for end-to-end trainer tests: a micro Ling2 on the bundled sample data, the
 trainer binary in a subprocess, and readers for what a run leaves behind."""
 
-import json
 import os
 import subprocess
 import time
 from pathlib import Path
 
-MICRO = ["model_name=ling2-tiny", "base_num_decoder_layers=2", "inhomogeneous_layer_cycle_interval=2",
-         "base_emb_dim=64", "base_mlp_dim=128", "num_experts=8", "num_experts_per_tok=2", "n_routing_groups=1",
-         "topk_routing_group=1", "max_target_length=32", "per_device_batch_size=2", "eval_interval=0",
-         "eval_steps=0", "data_split=98,2,0", "log_period=1", "warmup_steps_fraction=0"]
+from ling2.train.metrics import read_metrics
+
+MICRO = ["model_name=ling2-micro", "per_device_batch_size=2", "eval_interval=0", "eval_steps=0", "data_split=98,2,0",
+         "log_period=1", "warmup_steps_fraction=0"]
 
 
 def binary():
@@ -26,11 +25,7 @@ def env(**extra):
 
 
 def losses(run_dir) -> dict:
-    out = {}
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        d = json.loads(line)
-        out[d["step"]] = d["loss"]  # a resumed run's record replaces the earlier one
-    return out
+    return {r["step"]: r["loss"] for r in read_metrics(Path(run_dir) / "metrics.jsonl")}
 
 
 def start(run_dir, *overrides, **extra_env):

@@ -27,7 +27,8 @@ from flax import nnx
 
 from ling2.config import load_config
 from ling2.config.paths import user_path
-from ling2.layers.moe import MoE, Mlp
+from ling2.layers.moe import MoE
+from ling2.layers.moe_experts import Mlp
 from tools.bench.memory import planned_bytes
 
 

@@ -4,7 +4,7 @@
 
 Each row times the jitted gradient of the training objective (main CE + MoE aux + MTP) on
 random tokens. In the same run a dense matmul of the model's compute dtype is timed, and the
-model's FLOP/s (ling2.layers.counting.training_flops_per_token) is reported as a fraction of
+model's FLOP/s (ling2.layers.model.training_flops_per_token) is reported as a fraction of
 it. Peak memory is XLA's planned memory for the compiled step, plus the process peak RSS.
 """
 
@@ -49,13 +49,13 @@ def matmul_flops(dtype, n: int = 2048, iters: int = 3) -> float:
 
 def bench(model_name: str, seq: int) -> dict:
     from ling2.config import load_config
-    from ling2.layers.counting import count_params, training_flops_per_token
+    from ling2.layers.model import Ling2Model, count_params, training_flops_per_token
     from ling2.train import step as S
-    from ling2.train.model import Model
+    from ling2.train.state import trainable_filter
 
     cfg = load_config(model_name=model_name, max_target_length=seq, scan_layers=True)
-    model = Model(cfg, rngs=nnx.Rngs(0))
-    gd, params, rest = nnx.split(model, S.trainable_filter(cfg), ...)
+    model = Ling2Model(cfg, rngs=nnx.Rngs(0))
+    gd, params, rest = nnx.split(model, trainable_filter(cfg), ...)
     r = np.random.default_rng(0)
     B = FLAGS.batch
     ids = r.integers(0, cfg.vocab_size, (B, seq + 1))

@@ -11,7 +11,6 @@ and until it is committed (`ckpt_async_total_s`). Memory per device comes from X
 analysis of the compiled step.
 """
 
-import functools
 import json
 import os
 import sys
@@ -36,12 +35,13 @@ FLAGS = flags.FLAGS
 
 
 def bench_model(name: str) -> dict:
+    from ling2.checkpoint.manager import Checkpointer
     from ling2.config import load_config
     from ling2.layers import sharding
-    from ling2.layers.counting import count_params, training_flops_per_token
-    from ling2.train import loop
+    from ling2.layers.model import count_params, training_flops_per_token
+    from ling2.train import runtime
     from ling2.train import step as step_lib
-    from ling2.train.checkpoint import Checkpointer
+    from ling2.train.state import init_state
     from ling2.train.data import make_iterator_factory
     from ling2.train.train import find_file
 
@@ -50,12 +50,12 @@ def bench_model(name: str) -> dict:
     if name != "ling2-tiny":
         over["dataset_type"] = "synthetic"
     cfg = load_config(over, config_file=find_file("configs/train/tiny_sample.yml"))
-    mesh = sharding.make_mesh(cfg)
-    gd, tx, sched, state = loop.init_state(cfg, mesh)
-    step_fn = jax.jit(functools.partial(step_lib.train_step, gd, tx, cfg, lr_fn=sched), donate_argnums=(0,))
+    mesh = runtime.make_mesh(cfg)
+    gd, tx, sched, state = init_state(cfg, mesh)
+    step_fn = step_lib.jit_train_step(gd, tx, cfg, sched)
     it = make_iterator_factory(find_file)(cfg, "train", mesh.size)
     with sharding.use_mesh(mesh, cfg.logical_axis_rules):
-        batch = loop.to_global(next(it), cfg, mesh)
+        batch = runtime.to_global(next(it), cfg, mesh)
         compiled = step_fn.lower(state, batch).compile()
         mem = compiled.memory_analysis()
         for _ in range(2):  # warm-up: the second call sees committed output shardings
@@ -65,14 +65,14 @@ def bench_model(name: str) -> dict:
         t0 = time.perf_counter()
         for _ in range(FLAGS.steps):
             t = time.perf_counter()
-            batch = loop.to_global(next(it), cfg, mesh)
+            batch = runtime.to_global(next(it), cfg, mesh)
             wait += time.perf_counter() - t
             state, m = step_fn(state, batch)
         jax.block_until_ready(m)
         dt = time.perf_counter() - t0
     tokens = FLAGS.steps * batch["inputs"].size
     tps = tokens / dt
-    peak = loop.peak_flops_per_device() * mesh.size
+    peak = runtime.peak_flops_per_device() * mesh.size
     fields = {f: getattr(state, f) for f in ("step", "params", "rest", "opt_state", "skipped", "skipped_total")}
     with tempfile.TemporaryDirectory() as d:
         sync_s, blocked_s, async_s = [], [], []

@@ -9,7 +9,7 @@ start). A sharded checkpoint adds `model.safetensors.index.json`:
 shard; pages read are dropped from the process every RELEASE bytes, so memory stays at about
 one tensor. `PlannedWriter` lays out every header first and writes each tensor (or block)
 straight to its offset on worker threads, so writing buffers little either: with the native
-kernel (convert.c, one ctypes call per run of blocks: SIMD transposes into an L2-sized buffer,
+kernel (safetensors.c, one ctypes call per run of blocks: SIMD transposes into an L2-sized buffer,
 pread of mapped sources, pwrite, all without the GIL) when it is built, else with numpy
 (transposing through a small buffer) and os.pwrite; both write the same bytes. bf16 uses
 ml_dtypes.
@@ -52,7 +52,7 @@ SPLIT = 8 << 20  # a transposed block this large is split between the native wri
 RUN = 1 << 20  # PlannedWriter gathers smaller blocks bound for consecutive offsets into one write of up to this
 MADV_POPULATE_READ = 22  # Linux >= 5.14; not in python's mmap module
 TILE = 16  # the native kernel's staging buffer holds at least TILE output rows of a transposed block
-LIB = "libling2_convert.so"
+LIB = "libling2_safetensors.so"
 _MAPPINGS = weakref.WeakKeyDictionary()  # ShardedReader's shard mappings (shared, read-only) -> (address, fd)
 
 
@@ -77,7 +77,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 @functools.cache
 def native():
-    """The native block writer (convert.c), or None (warns once) when it was not built: then
+    """The native block writer (safetensors.c), or None (warns once) when it was not built: then
     PlannedWriter transposes and writes with numpy (the same bytes, slower)."""
     return _native.load(__file__, LIB, _declare)
 
@@ -402,7 +402,7 @@ class PlannedWriter:
     def _write_blocks(self, fd: int, start: int, nbytes: int, blocks: list) -> None:
         """Blocks [(array, dtype)] bound for consecutive offsets from `start`: with the native kernel when each is
         C-contiguous or a transposed view in its planned dtype, else with numpy."""
-        desc = None if self.lib is None else np.empty((len(blocks), 8), np.int64)  # see block_t in convert.c
+        desc = None if self.lib is None else np.empty((len(blocks), 8), np.int64)  # see block_t in safetensors.c
         row = 0
         for i, (a, dtype) in enumerate(blocks):
             if desc is None:

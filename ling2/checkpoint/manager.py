@@ -1,4 +1,4 @@
-"""Orbax checkpoints of the train state, the grain iterator state and the step.
+"""The trainer's checkpoints: orbax step directories of the train state, the grain iterator state and the step.
 
 Layout: {run_dir}/checkpoints/{step}/{state,data,meta}. `latest_step` + `restore` give automatic
 resume. Restoring into a model of another shape fails with a `CheckpointError` naming every
@@ -20,9 +20,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-
-class CheckpointError(ValueError):
-    pass
+from ling2.checkpoint.state import CheckpointError
 
 
 def _path_str(path) -> str:
@@ -74,6 +72,10 @@ class Checkpointer:
 
     def latest_step(self):
         return self.manager.latest_step()
+
+    def due(self, step: int) -> bool:
+        """Whether `save` would write `step` without force (a period step after the last saved)."""
+        return step % self.period == 0 and (self._last is None or step > self._last)
 
     def save(self, step: int, state, data_iter, meta: dict, force: bool = False) -> bool:
         """Saves every `checkpoint_period`-th step (any step with force), never one at or before the last

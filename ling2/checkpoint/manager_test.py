@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ling2.config import load_config
-from ling2.train.checkpoint import CheckpointError, Checkpointer, snapshot
+from ling2.checkpoint.manager import CheckpointError, Checkpointer, snapshot
 
 
 class Counter:

@@ -8,6 +8,7 @@ from flax import nnx
 
 from ling2.config import load_config
 from ling2.layers import decoder, sharding
+from ling2.train import runtime
 
 # 4 layers, groups of 2 (GLA + MLA): layer 0 dense -> prefix [0, 2) unscanned, one scanned group [2, 4).
 CFG = dict(model_name="ling2-tiny", vocab_size=64, base_emb_dim=32, base_mlp_dim=48, base_num_query_heads=2,
@@ -34,9 +35,9 @@ def test_sharded_equals_single_device():
     step = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True))
     (loss1, out1), g1 = step(model, ids, pos, seg)
 
-    mesh = sharding.make_mesh(cfg)
+    mesh = runtime.make_mesh(cfg)
     gdef, state = nnx.split(model)
-    state = jax.device_put(state, sharding.state_shardings(state, mesh, cfg.logical_axis_rules))
+    state = jax.device_put(state, runtime.state_shardings(state, mesh, cfg.logical_axis_rules))
     specs = {"/".join(map(str, k)): v[...].sharding.spec for k, v in nnx.to_flat_state(state)}
     P = jax.sharding.PartitionSpec
     assert specs["groups/layers/0/mlp/experts/gate_proj"] == P(None, "expert", "fsdp", "tensor")

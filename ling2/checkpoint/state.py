@@ -1,0 +1,183 @@
+"""Ling2's model-state directories, and moving weights between layouts and into a model.
+
+Two kinds of directory hold the state of a `Ling2Model`:
+  a state directory (the converter's output, `save_state`):
+    config.yml  the resolved config (`ling2.config.to_yaml`), read back with `read_config`;
+    state/      one safetensors tensor per leaf of the model's pure-dict state, named by its key
+                path joined with "/" (e.g. decoder/layers/3/attention/qkv), sharded with an index
+                (`safetensors_io`), in the model's dtype and layout (scanned leaves stacked [group, ...]);
+  a trainer step directory ({run}/checkpoints/{step}, `ling2.checkpoint.manager`), whose orbax
+    item `state` holds the TrainState: `params` + `rest` together are every Variable.
+`load_state` reads either into the model's key structure (re-laid out when the saved config
+scans differently), `relayout` moves a state between the scanned and unscanned layouts along
+the layer plan, `load_into` writes a state into a model. Leaf shapes come from the abstract
+model (`abstract_state`: nnx.eval_shape, cached per config), so they never drift from it.
+"""
+
+import shutil
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from ling2.checkpoint.safetensors_io import INDEX_NAME, PlannedWriter, ShardedReader
+from ling2.config import load_config, to_yaml
+from ling2.config.loader import load_yaml
+from ling2.layers.model import abstract_model
+from ling2.layers.plan import layer_plan
+
+CONFIG_NAME = "config.yml"
+STATE_NAME = "state"
+STATE_SHARD = 2 << 30
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, unreadable or does not fit the model; the message names the
+    directory and every offending leaf with both shapes."""
+
+
+class Leaf(NamedTuple):
+    shape: tuple
+    dtype: np.dtype
+
+
+def flat(tree, prefix=()) -> dict:
+    """{key path tuple: leaf} of a nested dict."""
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(flat(v, prefix + (k,)))
+        return out
+    return {prefix: tree}
+
+
+def unflat(items: dict) -> dict:
+    out = {}
+    for path, v in items.items():
+        d = out
+        for k in path[:-1]:
+            d = d.setdefault(k, {})
+        d[path[-1]] = v
+    return out
+
+
+def key(path) -> str:
+    """A leaf's name in a state directory: its key path joined with '/'."""
+    return "/".join(map(str, path))
+
+
+def abstract_state(cfg) -> dict:
+    """{key path: Leaf(shape, dtype)} of every Variable of Ling2Model(cfg), in nnx's order."""
+    leaves = flat(nnx.to_pure_dict(nnx.state(abstract_model(cfg))))
+    return {p: Leaf(tuple(v.shape), np.dtype(v.dtype)) for p, v in leaves.items()}
+
+
+def check_shapes(shapes: dict, leaves: dict, where: str) -> None:
+    """Raises CheckpointError listing every leaf whose shape ({path: shape}, str or int keys) differs
+    from the model's `leaves`."""
+    want = {tuple(map(str, p)): tuple(v.shape) for p, v in leaves.items()}
+    have = {tuple(map(str, p)): tuple(v) for p, v in shapes.items()}
+    lines = [f"  {key(p)}: checkpoint {have.get(p, 'missing')} vs model {want.get(p, 'missing')}"
+             for p in sorted(set(want) | set(have)) if have.get(p) != want.get(p)]
+    if lines:
+        raise CheckpointError(f"{where}: Ling2 state does not match the config:\n" + "\n".join(lines))
+
+
+def read_config(path, *overrides):
+    """A Ling2 config from a resolved YAML (e.g. a state directory's config.yml), plus overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: Ling2 config not found")
+    return load_config(load_yaml(path.read_text()), *overrides)
+
+
+def state_writer(out_dir, cfg, order=()) -> PlannedWriter:
+    """Writes config.yml and plans `state/` (one safetensors tensor per leaf, the leaves in `order` first)."""
+    leaves = abstract_state(cfg)
+    out = Path(out_dir).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_NAME).write_text(to_yaml(cfg))
+    if (out / STATE_NAME).exists():
+        shutil.rmtree(out / STATE_NAME)
+    paths = list(dict.fromkeys(list(order) + list(leaves)))
+    return PlannedWriter(out / STATE_NAME, [(key(p), leaves[p].shape, leaves[p].dtype) for p in paths], STATE_SHARD)
+
+
+def save_state(out_dir, state: dict, cfg) -> Path:
+    """Writes a state directory (see the module doc) of an in-memory pure-dict state."""
+    leaves = abstract_state(cfg)
+    items = {tuple(map(str, p)): v for p, v in flat(state).items()}
+    check_shapes({p: np.shape(v) for p, v in items.items()}, leaves, "state")
+    writer = state_writer(out_dir, cfg)
+    for p in leaves:
+        writer.add(key(p), np.asarray(items[tuple(map(str, p))]))
+    writer.close()
+    return Path(out_dir).absolute()
+
+
+def relayout(state: dict, cfg_from, cfg_to) -> dict:
+    """The same weights in cfg_to's layout (scanned <-> unscanned): each layer's subtree moves from its
+    place in cfg_from's layer plan to its place in cfg_to's; every other leaf keeps its path."""
+    src = {tuple(map(str, p)): np.asarray(v) for p, v in flat(state).items()}
+    leaves = abstract_state(cfg_to)
+    dst = {p: np.empty(v.shape, v.dtype) for p, v in leaves.items()}
+    dst_by_str = {tuple(map(str, p)): p for p in dst}
+    to_specs = {s.index: s for s in layer_plan(cfg_to).all()}
+    moved = set()
+    for s in layer_plan(cfg_from).all():
+        t = to_specs[s.index]
+        head = tuple(map(str, s.path))
+        for p, v in src.items():
+            if p[:len(head)] == head:
+                d = dst_by_str[tuple(map(str, t.path)) + p[len(head):]]
+                dst[d][t.stack] = v[s.stack]
+                moved.add(p)
+    for p, v in src.items():
+        if p not in moved:
+            dst[dst_by_str[p]][...] = v
+    return unflat(dst)
+
+
+def load_state(ckpt_dir, cfg) -> dict:
+    """The pure-dict state (model key types) of a state directory or a trainer step directory.
+
+    A state directory saved with the other `scan_layers` is re-laid out to `cfg`'s.
+    """
+    saved = Path(ckpt_dir) / CONFIG_NAME
+    if saved.is_file():
+        saved_cfg = read_config(saved)
+        if saved_cfg.scan_layers != cfg.scan_layers:
+            return relayout(_load_state(ckpt_dir, saved_cfg), saved_cfg, cfg)
+    return _load_state(ckpt_dir, cfg)
+
+
+def _load_state(ckpt_dir, cfg) -> dict:
+    path = Path(ckpt_dir).absolute() / STATE_NAME
+    leaves = abstract_state(cfg)
+    if (path / INDEX_NAME).is_file():  # a state directory: one safetensors tensor per leaf
+        reader = ShardedReader(path)
+        check_shapes({tuple(n.split("/")): reader.shape(n) for n in reader.names()}, leaves, str(path))
+        return unflat({p: reader.read(key(p)) for p in leaves})
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no state directory or orbax state item")
+    with ocp.StandardCheckpointer() as ckptr:
+        tree = ckptr.restore(path)
+    if "params" in tree and "decoder" not in tree:  # trainer TrainState: trainable params + the rest
+        items = flat(tree["params"])
+        items.update(flat(tree.get("rest") or {}))
+        items = {p[:-1] if p[-1] == "value" else p: v for p, v in items.items()}  # nnx.State keeps Variable.value
+    else:
+        items = flat(tree)
+    items = {tuple(map(str, p)): v for p, v in items.items()}
+    check_shapes({p: np.shape(v) for p, v in items.items()}, leaves, str(path))
+    return unflat({p: np.asarray(items[tuple(map(str, p))]) for p in leaves})
+
+
+def load_into(model, ckpt_dir, cfg) -> None:
+    """Overwrites every Variable of `model` (a Ling2Model of `cfg`) with a checkpoint's values."""
+    state = nnx.state(model)
+    nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, load_state(ckpt_dir, cfg)))
+    nnx.update(model, state)

@@ -1,0 +1,139 @@
+"""The Ling2 model: the decoder stack plus its MTP depths, the one module the trainer, the
+converter and generation build.
+
+  model(ids)                -> DecoderOutput (logits [B,T,V], hidden states, MoE aux); MTP is not run
+  model.loss_sums(batch...) -> LossSums: the main next-token CE sums, each MTP depth's sums and
+                               every MoE layer's aux, for the trainer to normalise once
+  model.expert_biases()     -> every loss-free-balancing bias with the layers of its rows
+
+The decoder is built before MTP, so the decoder's weights do not depend on mtp_num_layers.
+State paths ("decoder/...", "mtp/depths/d/...") are the layer plan's (`ling2.layers.plan`).
+"""
+
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ling2.config import Config
+from ling2.layers import attention_gla, attention_mla, losses, moe
+from ling2.layers.decoder import DecoderOutput, build_decoder
+from ling2.layers.moe import bias_update
+from ling2.layers.moe_router import RoutedBias
+from ling2.layers.mtp import MTP, MTPOutput
+from ling2.layers.plan import layer_plan
+
+
+# Attention kind -> the module holding its FLOP count (matmul_params, mixing_flops).
+ATTENTION_FLOPS = {"gla": attention_gla, "mla": attention_mla}
+
+
+class LossSums(NamedTuple):
+    ce: jax.Array  # fp32 sum of loss_weight * CE of the next token
+    tokens: jax.Array  # fp32 sum of loss weights
+    hits: jax.Array  # fp32 loss-weighted count of argmax == target
+    mtp: Optional[MTPOutput]  # per-depth sums, None without MTP layers
+    moe_aux: dict  # {global layer index: MoEAux}, decoder and MTP layers
+
+
+class Ling2Model(nnx.Module):
+    """Ling2 decoder + MTP. Call with ids [B,T] (optional positions / segment_ids [B,T])."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.decoder = build_decoder(cfg, rngs=rngs)
+        self.mtp = MTP(cfg, rngs=rngs) if cfg.mtp_num_layers else None
+        self.mtp_hidden_pre_norm = cfg.mtp_hidden_pre_norm
+        self.bias_rows = tuple((spec.path, spec.stack, spec.index) for spec in layer_plan(cfg).all()
+                               if spec.mlp == "moe")
+
+    def __call__(self, ids_BT, positions_BT=None, segment_ids_BT=None, valid_BT=None) -> DecoderOutput:
+        """The main model's forward (no MTP): logits [B,T,V], hidden states and MoE aux."""
+        return self.decoder(ids_BT, positions_BT, segment_ids_BT, valid_BT)
+
+    def loss_sums(self, ids_BT, targets_BT, loss_weights_BT, positions_BT, segment_ids_BT,
+                  valid_BT=None) -> LossSums:
+        """Loss sums of one batch; `valid_BT` (default segment_ids != 0) masks MoE statistics."""
+        if valid_BT is None:
+            valid_BT = segment_ids_BT != 0
+        out = self.decoder(ids_BT, positions_BT, segment_ids_BT, valid_BT)
+        ce, tokens, hits = losses.cross_entropy_sums(out.logits, targets_BT, loss_weights_BT)
+        moe_aux, mtp = dict(out.moe_aux), None
+        if self.mtp is not None:
+            hidden = out.hidden_pre_norm if self.mtp_hidden_pre_norm else out.hidden
+            d = self.decoder
+            mtp = self.mtp(d.embed, d.lm_head, hidden, ids_BT, targets_BT, loss_weights_BT, positions_BT,
+                           segment_ids_BT, valid_BT)
+            moe_aux.update(mtp.moe_aux)
+        return LossSums(ce, tokens, hits, mtp, moe_aux)
+
+    def expert_biases(self) -> list[tuple[RoutedBias, list[int]]]:
+        """Every expert-bias variable with the global layer index of each of its rows: [E] has one
+        row, a scanned group's stacked [n, E] has n (in stack order)."""
+        found = {}
+        for path, stack, index in self.bias_rows:
+            module = self
+            for key in path:
+                module = module[key] if isinstance(key, int) else getattr(module, key)
+            bias = getattr(module.mlp.gate, "expert_bias", None)
+            if isinstance(bias, RoutedBias):
+                found.setdefault(id(bias), (bias, []))[1].append(index)
+        return list(found.values())
+
+    def update_expert_biases(self, counts: dict, cfg) -> None:
+        """Loss-free balancing: one update per optimizer step from counts summed over micro-batches."""
+        for var, idx in self.expert_biases():
+            cur = var[...]
+            rows = cur.reshape(len(idx), -1)
+            new = jnp.stack([bias_update(rows[r], counts[i], cfg) for r, i in enumerate(idx)])
+            var[...] = new.reshape(cur.shape).astype(cur.dtype)
+
+
+def abstract_model(cfg) -> Ling2Model:
+    """Ling2Model(cfg) with ShapeDtypeStruct leaves (nnx.eval_shape; nothing computed), cached per config
+    (`abstract_model.cache_clear()` empties the cache)."""
+    return _abstract_model(cfg.model_dump_json())
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_model(cfg_json: str) -> Ling2Model:
+    cfg = Config.model_validate_json(cfg_json)
+    return nnx.eval_shape(lambda: Ling2Model(cfg, rngs=nnx.Rngs(0)))
+
+
+abstract_model.cache_clear = _abstract_model.cache_clear
+
+
+def count_params(cfg) -> dict:
+    """Trainable parameters (nnx.Param; not the selection-only expert bias) of Ling2Model(cfg):
+    {'embed', 'lm_head', 'final_norm', 'layers', 'mtp', 'decoder', 'total', 'active'}. `active`
+    counts `num_experts_per_tok` routed experts per MoE layer instead of all of them."""
+    sizes = {path: int(np.prod(v.shape)) for path, v in nnx.to_flat_state(nnx.state(abstract_model(cfg), nnx.Param))}
+    under = lambda *head: sum(n for p, n in sizes.items() if p[:len(head)] == head)  # noqa: E731
+    out = {"embed": under("decoder", "embed"), "lm_head": under("decoder", "lm_head"),
+           "final_norm": under("decoder", "final_norm"), "mtp": under("mtp")}
+    out["layers"] = sum(under("decoder", part) for part in ("layers", "prefix", "groups", "suffix"))
+    out["decoder"] = under("decoder")
+    out["total"] = sum(sizes.values())
+    inactive = 3 * cfg.emb_dim * cfg.base_moe_mlp_dim * (cfg.num_experts - cfg.num_experts_per_tok)
+    out["active"] = out["total"] - inactive * sum(s.mlp == "moe" for s in layer_plan(cfg).all())
+    return out
+
+
+def training_flops_per_token(cfg, seq_len: int | None = None) -> float:
+    """Model FLOPs of one training token (forward + backward = 3 x forward) at `seq_len` (default
+    max_target_length): 2 x the active matmul weights of every layer, MTP's eh_proj and each lm_head,
+    plus each attention kind's token mixing (`mixing_flops` beside its module). The embedding lookup
+    and norms are not counted."""
+    S = seq_len or cfg.max_target_length
+    weights = heads = mixing = 0.0
+    for spec in layer_plan(cfg).all():
+        attn = ATTENTION_FLOPS[spec.attn]
+        weights += attn.matmul_params(cfg)
+        weights += 3 * cfg.emb_dim * cfg.mlp_dim if spec.mlp == "dense" else moe.matmul_params(cfg, active=True)
+        mixing += attn.mixing_flops(cfg, S)
+    weights += cfg.mtp_num_layers * 2 * cfg.emb_dim * cfg.emb_dim
+    heads = (1 + cfg.mtp_num_layers) * cfg.emb_dim * cfg.vocab_size
+    return 3.0 * (2 * (weights + heads) + mixing)

@@ -1,0 +1,88 @@
+"""The layer plan: every decoder and MTP layer of a config, described once.
+
+Each `LayerSpec` names a layer's global index, attention kind (cfg.layer_types), MLP kind
+(cfg.mlp_types) and where its module sits in the model state. Unscanned, layer i is at
+("decoder", "layers", i). With `scan_layers` the stack splits into
+  prefix  ("decoder", "prefix", i):          every leading group that holds a dense layer;
+  groups  ("decoder", "groups", "layers", j), stack index g: `num_groups` consecutive groups
+          of `group_size` (= inhomogeneous_layer_cycle_interval) layers with one pattern,
+          stacked on a leading "layers" axis and run by one `lax.scan`;
+  suffix  ("decoder", "suffix", j):          a trailing partial group.
+MTP depth d is layer L + d at ("mtp", "depths", d, "layer"), always MLA + MoE.
+
+The decoder builds itself from this plan; the converter's HF mapping, the checkpoint
+relayout and the expert-bias bookkeeping iterate it. A new attention kind only needs a
+name in cfg.layer_types and a module registered in `ling2.layers.decoder.ATTENTION`.
+"""
+
+from typing import NamedTuple
+
+
+class LayerSpec(NamedTuple):
+    index: int  # global layer index; MTP depth d is num_decoder_layers + d
+    attn: str  # attention kind, e.g. "gla", "mla"
+    mlp: str  # "dense" or "moe"
+    path: tuple  # key path of the layer's module in the model state
+    stack: tuple = ()  # (g,): index on the leading "layers" axis of a scanned group; () otherwise
+    mtp: bool = False
+
+
+class LayerPlan(NamedTuple):
+    layers: tuple  # LayerSpec of every decoder layer, in index order
+    mtp: tuple  # LayerSpec of every MTP depth
+    scan: bool
+    prefix: int  # layers [0, prefix) unscanned (scan only)
+    num_groups: int  # scanned groups (scan only)
+    group_size: int
+
+    @property
+    def suffix_start(self) -> int:
+        """First layer of the unscanned suffix (scan only)."""
+        return self.prefix + self.num_groups * self.group_size
+
+    def all(self) -> tuple:
+        """Decoder layers then MTP depths."""
+        return self.layers + self.mtp
+
+
+def scan_layout(cfg) -> tuple[int, int, int]:
+    """(prefix_end, num_groups, group_size) of the scanned stack: layers [0, prefix_end) unscanned,
+    then num_groups groups of group_size, then the rest unscanned.
+
+    Raises ValueError when the scanned groups would not all have one layer pattern."""
+    L, k = cfg.num_decoder_layers, cfg.inhomogeneous_layer_cycle_interval
+    full_end = (L // k) * k
+    prefix_end = min(-(-cfg.first_num_dense_layers // k) * k, full_end)
+    n = max(full_end - prefix_end, 0) // k
+    kinds = list(zip(cfg.layer_types, cfg.mlp_types))
+    pattern = kinds[prefix_end:prefix_end + k]
+    for g in range(1, n):
+        start = prefix_end + g * k
+        if kinds[start:start + k] != pattern:
+            raise ValueError(f"scan_layers: layers {start}..{start + k - 1} are {kinds[start:start + k]}, unlike the "
+                             f"first scanned group {pattern}; scanned groups need one pattern (set scan_layers=false)")
+    return prefix_end, n, k
+
+
+def layer_plan(cfg) -> LayerPlan:
+    """The plan of `cfg` (see the module doc)."""
+    L = cfg.num_decoder_layers
+    kinds = list(zip(cfg.layer_types, cfg.mlp_types))
+    if cfg.scan_layers:
+        p, n, k = scan_layout(cfg)
+    else:
+        p, n, k = L, 0, cfg.inhomogeneous_layer_cycle_interval
+    layers = []
+    for i, (attn, mlp) in enumerate(kinds):
+        if not cfg.scan_layers:
+            path, stack = ("decoder", "layers", i), ()
+        elif i < p:
+            path, stack = ("decoder", "prefix", i), ()
+        elif i < p + n * k:
+            path, stack = ("decoder", "groups", "layers", (i - p) % k), ((i - p) // k,)
+        else:
+            path, stack = ("decoder", "suffix", i - p - n * k), ()
+        layers.append(LayerSpec(i, attn, mlp, path, stack))
+    mtp = tuple(LayerSpec(L + d, "mla", "moe", ("mtp", "depths", d, "layer"), (), True)
+                for d in range(cfg.mtp_num_layers))
+    return LayerPlan(tuple(layers), mtp, bool(cfg.scan_layers), p, n, k)
