@@ -40,7 +40,7 @@ class MicroBatches:
 
     def __next__(self) -> dict:
         batch = next(self.inner)
-        return {k: np.asarray(v).reshape(self.micro, -1, *np.shape(v)[1:]) for k, v in batch.items()}
+        return {k: np.asarray(x_BS).reshape(self.micro, -1, *np.shape(x_BS)[1:]) for k, x_BS in batch.items()}
 
     def get_state(self) -> bytes:
         return json.dumps(self.inner.get_state()).encode()

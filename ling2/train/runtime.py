@@ -65,13 +65,13 @@ def batch_sharding(cfg, mesh: Mesh, rows: int) -> NamedSharding:
 def to_global(batch: dict, cfg, mesh) -> dict:
     """Host-local numpy [M, b_local, S] -> global arrays [M, b, S], rows sharded like activations."""
     out = {}
-    for k, v in batch.items():
-        v = np.asarray(v)
-        shard = batch_sharding(cfg, mesh, v.shape[1] * jax.process_count())
+    for k, x_MBS in batch.items():
+        x_MBS = np.asarray(x_MBS)
+        shard = batch_sharding(cfg, mesh, x_MBS.shape[1] * jax.process_count())
         if jax.process_count() == 1:
-            out[k] = jax.device_put(v, shard)
+            out[k] = jax.device_put(x_MBS, shard)
         else:
-            out[k] = jax.make_array_from_process_local_data(shard, v)
+            out[k] = jax.make_array_from_process_local_data(shard, x_MBS)
     return out
 
 

@@ -53,9 +53,9 @@ def train_step(graphdef, tx, cfg, state: TrainState, batch: dict, lr_fn):
     M = cfg.gradient_accumulation_steps
     norms = {"tokens": jnp.maximum(jnp.sum(batch["loss_weights"].astype(F32)), 1)}
     if cfg.mtp_num_layers:
-        per_micro = jax.vmap(lambda w, s: depth_token_counts(w, s, cfg.mtp_num_layers))(
-            batch["loss_weights"], batch["segment_ids"])  # [M, K]
-        norms["mtp_tokens"] = jnp.sum(per_micro, axis=0)
+        tokens_MK = jax.vmap(lambda w_BS, seg_BS: depth_token_counts(w_BS, seg_BS, cfg.mtp_num_layers))(
+            batch["loss_weights"], batch["segment_ids"])
+        norms["mtp_tokens"] = jnp.sum(tokens_MK, axis=0)
 
     grad_fn = jax.grad(forward, argnums=1, has_aux=True)
 

@@ -13,7 +13,7 @@ startup excluded, as for the copy) and reports its peak RSS (VmHWM) and its RSS 
 before converting (python + jax + numpy, no tensors). All files are in the page cache for
 both the copy and the conversions. The round trip is checked tensor by tensor. A conversion's
 time is everything convert_hf_to_ling2 / convert_ling2_to_hf do: loading the config, the leaf
-shapes (from the config, ling2/convert/shapes.py; also timed alone beforehand, "shapes"),
+shapes (the abstract model, ling2.layers.model.abstract_model; also timed alone beforehand, "shapes"),
 planning, every write and closing the files (like the copy, no fsync); "stream" is the ratio
 of that time less "shapes".
 
