@@ -127,8 +127,18 @@ class Data(_Group):
     max_target_length: PositiveInt = Field(description="Sequence length S.")
     max_prefill_predict_length: PositiveInt
     add_extra_token_to_sequence: bool
+    blend_per_split: list[str] = Field(
+        description="Megatron's blend_per_split: [train, valid, test] data_path strings ('' for none) used "
+        "instead of data_path and data_split; [] to use data_path.")
+    drop_last_partial_validation_sequence: bool = Field(
+        description="Drop the last, partial validation sample (Megatron's default); false pads it.")
+    exact_sample_count: bool = Field(
+        description="Count keep-partial samples with an exact integer ceil; false uses Megatron's float32 "
+        "(differs past 2^24 tokens).")
     blend_cache_dir: str = Field(description="Cache directory for generated index .npy files; '' disables caching.")
-    blend_index_dir: str = Field(description="Directory of prebuilt Megatron index .npy files to load instead of building.")
+    blend_index_dir: str = Field(
+        description="Directory of prebuilt index .npy files (Megatron's cache) to load instead of building; "
+        "a set for the same dataset built for another request is an error.")
     reset_attention_mask: bool = Field(description="Each document in a packed sample gets its own segment id.")
     reset_position_ids: bool
     eod_mask_loss: bool = Field(description="Exclude positions whose input token is EOD from the loss.")
@@ -138,9 +148,9 @@ class Data(_Group):
 
 class Tokenizer(_Group):
     tokenizer_path: str
-    pad_id: int = Field(description="Padding id in mmap data (masked from the loss); -1 means none.")
+    pad_id: int = Field(description="Padding id (masked from the loss, as Megatron); -1 means none.")
     bos_id: int = Field(description="BOS id inserted between documents when add_bos; -1 means none.")
-    eod_id: int
+    eod_id: int = Field(description="End-of-document id: separates documents in packed samples.")
     add_bos: bool
 
 
@@ -240,6 +250,16 @@ class Config(*GROUPS):
         need(self.dataset_type in ("mmap", "synthetic"), "dataset_type",
              f"must be 'mmap' or 'synthetic', got {self.dataset_type!r}")
         need(self.opt_type == "adamw", "opt_type", f"only 'adamw' is supported, got {self.opt_type!r}")
+        V = self.vocab_size
+        need(0 <= self.eod_id < V, "eod_id", f"{self.eod_id} is outside the vocabulary [0, vocab_size={V})")
+        for name in ("pad_id", "bos_id"):
+            v = getattr(self, name)
+            need(v == -1 or 0 <= v < V, name, f"{v} is outside the vocabulary [0, vocab_size={V}) (-1 means none)")
+        need(not self.add_bos or self.bos_id >= 0, "add_bos", "needs a bos_id (got -1)")
+        need(len(self.blend_per_split) in (0, 3), "blend_per_split",
+             f"want [] or 3 entries [train, valid, test], got {len(self.blend_per_split)}")
+        need(not (self.blend_per_split and self.data_path), "blend_per_split",
+             "cannot be used with data_path (as Megatron's blend and blend_per_split); set data_path ''")
         for name in ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_expert_parallelism", "ici_tensor_parallelism"):
             v = getattr(self, name)
             need(v == -1 or v >= 1, name, f"must be -1 (fill) or >= 1, got {v}")
