@@ -4,16 +4,17 @@
  * into the sample's row. Loaded with ctypes by gather.py (ctypes releases the GIL meanwhile).
  *
  * Arrays are little-endian and C-contiguous, not necessarily aligned. The document and sample
- * indices may be int32 (Megatron's prebuilt files) or int64 (ours). Returns 0, or the 1-based
- * batch row of the first sample that does not fit; nothing is read out of bounds. With
- * out == NULL it only checks.
+ * indices may be int32 or int64. With `vocab` > 0 every copied row is then scanned (while it
+ * is in L1) for token ids outside [0, vocab). Returns 0; r + 1 when the sample of batch row r
+ * does not fit the data (nothing is read out of bounds); -(r + 1) when row r holds an id
+ * outside the vocabulary. With out == NULL it only checks the indices.
  */
 #include <stdint.h>
 #include <string.h>
 
 typedef struct {
   const char *bin;
-  int64_t bin_bytes, item, n_seq, n_doc, n_smp, add, want;
+  int64_t bin_bytes, item, n_seq, n_doc, n_smp, n_full, add, want;
   const void *seq_ptr, *seq_len, *doc, *smp;
   int doc64, smp64;
 } data_t;
@@ -40,7 +41,7 @@ static inline const char *piece(const data_t *d, int64_t p, int64_t b, int64_t b
 }
 
 /* Tokens of sample j, or -1 if it does not fit the data: a piece outside its sequence or the
- * `.bin`, more than `want` tokens, or fewer anywhere but in the last (keep-partial) sample. */
+ * `.bin`, more than `want` tokens, or fewer in one of the first n_full (full) samples. */
 static int64_t check(const data_t *d, int64_t j) {
   if (j < 0 || j >= d->n_smp) return -1;
   int64_t b = at(d->smp, d->smp64, 2 * j), bo = at(d->smp, d->smp64, 2 * j + 1);
@@ -57,15 +58,53 @@ static int64_t check(const data_t *d, int64_t j) {
     tokens += hi - lo;
     if (tokens > d->want) return -1;
   }
-  return tokens < d->want && j != d->n_smp - 1 ? -1 : tokens;
+  return tokens < d->want && j < d->n_full ? -1 : tokens;
+}
+
+/* Whether any of the n tokens at p (dtype by Megatron's code) lies outside [0, vocab). One
+ * unsigned compare per token (a negative signed id reads as a large unsigned one), which the
+ * compiler vectorises. */
+#define OUTSIDE(U, SIGNED)                                                        \
+  {                                                                               \
+    const U *q = (const U *)p;                                                    \
+    uint64_t top = SIGNED ? (uint64_t)((U)-1 >> 1) + 1 : (uint64_t)(U)-1;         \
+    if (!SIGNED && (uint64_t)vocab > top) return 0;                               \
+    U lim = (U)((uint64_t)vocab < top ? (uint64_t)vocab : top);                   \
+    int bad = 0;                                                                  \
+    for (int64_t i = 0; i < n; i++) bad |= q[i] >= lim;                           \
+    return bad;                                                                   \
+  }
+static int outside(const char *p, int64_t n, int code, int64_t vocab) {
+  switch (code) {
+    case 1: OUTSIDE(uint8_t, 0)
+    case 2: OUTSIDE(uint8_t, 1)
+    case 3: OUTSIDE(uint16_t, 1)
+    case 4: OUTSIDE(uint32_t, 1)
+    case 5: OUTSIDE(uint64_t, 1)
+    case 8: OUTSIDE(uint16_t, 0)
+    case 6: {
+      const double *q = (const double *)p;
+      for (int64_t i = 0; i < n; i++)
+        if (!(q[i] >= 0 && q[i] < (double)vocab)) return 1;
+      return 0;
+    }
+    case 7: {
+      const float *q = (const float *)p;
+      for (int64_t i = 0; i < n; i++)
+        if (!(q[i] >= 0 && q[i] < (float)vocab)) return 1;
+      return 0;
+    }
+  }
+  return 0;
 }
 
 int64_t ling2_gather_samples(const char *bin, int64_t bin_bytes, int64_t item,
                              const void *seq_ptr, const void *seq_len, int64_t n_seq,
                              const void *doc, int doc64, int64_t n_doc, const void *smp,
-                             int smp64, int64_t n_smp, const int64_t *js, int64_t nj,
-                             int64_t add, int64_t want, char *out, int64_t *totals) {
-  data_t d = {bin, bin_bytes, item, n_seq, n_doc, n_smp, add, want,
+                             int smp64, int64_t n_smp, int64_t n_full, const int64_t *js,
+                             int64_t nj, int64_t add, int64_t want, char *out, int64_t *totals,
+                             int code, int64_t vocab) {
+  data_t d = {bin, bin_bytes, item, n_seq, n_doc, n_smp, n_full, add, want,
               seq_ptr, seq_len, doc, smp, doc64, smp64};
   for (int64_t r = 0; r < nj; r++) {
     int64_t j = js[r], bytes, next_bytes = 0;
@@ -86,6 +125,7 @@ int64_t ling2_gather_samples(const char *bin, int64_t bin_bytes, int64_t item,
       src = next;
       bytes = next_bytes;
     }
+    if (vocab > 0 && outside(out + r * want * item, totals[r], code, vocab)) return -(r + 1);
   }
   return 0;
 }
