@@ -166,12 +166,12 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
     """
     run_dir = Path(run_dir)
     mesh = sharding.make_mesh(cfg, devices)
+    train_iter = make_iter(cfg, "train", mesh.size)  # data errors before the model is built
     gd, tx, sched, state = init_state(cfg, mesh)
     step_fn = jax.jit(functools.partial(step_lib.train_step, gd, tx, cfg, lr_fn=sched), donate_argnums=(0,))
     log(f"model: {cfg.model_name}, {count_params(nnx.merge(gd, state.params, state.rest)) / 1e6:.2f}M params, "
         f"mesh {dict(mesh.shape)}")
 
-    train_iter = make_iter(cfg, "train", mesh.size)
     if dry_run:
         batch = to_global(next(train_iter), cfg, mesh)
         with sharding.use_mesh(mesh, cfg.logical_axis_rules):
