@@ -24,7 +24,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ling2.data.errors import DataError
-from ling2.data.gpt_index import SPLITS, GPTDataset, megatron_descriptions, split_matrix
+from ling2.data.gpt_index import (SPLITS, GPTDataset, megatron_descriptions, same_dir,
+                                  split_matrix)
 from ling2.data.indexed import IndexedDataset
 
 SURPLUS = 0.005
@@ -115,10 +116,11 @@ def build_exhaustive_blending_indices(sizes: Sequence[int]):
     return dataset_index, sample_index
 
 
-def _find_prebuilt_blend(index_dir, prefixes, split, weights, size) -> Optional[str]:
+def _find_prebuilt_blend(index_dir, prefixes, split, weights, size,
+                         strict: bool = True) -> Optional[str]:
     """Base path of the prebuilt BlendedDataset indices for these datasets (by name), or None
     when there are none; a DataError naming the fields when they were built for another
-    size or weights."""
+    size or weights (unless not `strict`)."""
     names = [os.path.basename(p) for p in prefixes]
     found = []
     for base, desc in megatron_descriptions(index_dir, "BlendedDataset", split):
@@ -142,7 +144,7 @@ def _find_prebuilt_blend(index_dir, prefixes, split, weights, size) -> Optional[
         if not diff:
             return base
         found.append((len(diff), base, diff))
-    if not found:
+    if not found or not strict:
         return None
     _, base, diff = min(found)
     raise DataError(
@@ -172,7 +174,7 @@ class BlendedDataset:
         self.hash = hashlib.md5(self.description.encode()).hexdigest()
         names = ("dataset_index", "dataset_sample_index")
         base = _find_prebuilt_blend(index_dir, [d.dataset.prefix for d in datasets], split,
-                                    weights, size)
+                                    weights, size, strict=not same_dir(index_dir, cache_dir))
         self.source = "megatron"
         if base is None and cache_dir:
             base = os.path.join(cache_dir, f"{self.hash}-BlendedDataset-{split}")

@@ -4,8 +4,8 @@
  * into the sample's row. Loaded with ctypes by gather.py (ctypes releases the GIL meanwhile).
  *
  * Arrays are little-endian and C-contiguous, not necessarily aligned. The document and sample
- * indices may be int32 or int64. With `vocab` > 0 every copied row is then scanned (while it
- * is in L1) for token ids outside [0, vocab). Returns 0; r + 1 when the sample of batch row r
+ * indices may be int32 or int64. With `vocab` > 0 every token id is checked against
+ * [0, vocab) as it is copied. Returns 0; r + 1 when the sample of batch row r
  * does not fit the data (nothing is read out of bounds); -(r + 1) when row r holds an id
  * outside the vocabulary. With out == NULL it only checks the indices.
  */
@@ -61,39 +61,59 @@ static int64_t check(const data_t *d, int64_t j) {
   return tokens < d->want && j < d->n_full ? -1 : tokens;
 }
 
-/* Whether any of the n tokens at p (dtype by Megatron's code) lies outside [0, vocab). One
- * unsigned compare per token (a negative signed id reads as a large unsigned one), which the
- * compiler vectorises. */
-#define OUTSIDE(U, SIGNED)                                                        \
-  {                                                                               \
-    const U *q = (const U *)p;                                                    \
-    uint64_t top = SIGNED ? (uint64_t)((U)-1 >> 1) + 1 : (uint64_t)(U)-1;         \
-    if (!SIGNED && (uint64_t)vocab > top) return 0;                               \
-    U lim = (U)((uint64_t)vocab < top ? (uint64_t)vocab : top);                   \
-    int bad = 0;                                                                  \
-    for (int64_t i = 0; i < n; i++) bad |= q[i] >= lim;                           \
-    return bad;                                                                   \
+#if defined(__x86_64__) && defined(__GNUC__)
+#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+/* Copies n tokens of `item` bytes and returns the largest, read as unsigned (a negative id reads
+ * as a large one): the vocabulary check rides on the copy, one pass over the data. The loop
+ * vectorises (a max per vector); it is built for AVX2 and for any CPU, the better one picked
+ * when the library loads. */
+#define COPY_MAX(U)                                        \
+  {                                                        \
+    const U *restrict s = (const U *)src;                  \
+    U *restrict d = (U *)dst, m = 0;                       \
+    for (int64_t i = 0; i < n; i++) {                      \
+      U v = s[i];                                          \
+      d[i] = v;                                            \
+      m = v > m ? v : m;                                   \
+    }                                                      \
+    return m;                                              \
   }
-static int outside(const char *p, int64_t n, int code, int64_t vocab) {
+VECTOR_CLONES static uint64_t copy_max(char *restrict dst, const char *restrict src, int64_t n,
+                                       int64_t item) {
+  switch (item) {
+    case 1: COPY_MAX(uint8_t)
+    case 2: COPY_MAX(uint16_t)
+    case 4: COPY_MAX(uint32_t)
+    case 8: COPY_MAX(uint64_t)
+  }
+  return 0;
+}
+
+/* The smallest id, read as unsigned, outside [0, vocab) for integer dtype `code` (Megatron's
+ * codes); 0 when every id of the dtype fits, or for float dtypes (checked by floats_outside). */
+static uint64_t id_limit(int code, int64_t vocab) {
+  uint64_t v = (uint64_t)vocab, top;
   switch (code) {
-    case 1: OUTSIDE(uint8_t, 0)
-    case 2: OUTSIDE(uint8_t, 1)
-    case 3: OUTSIDE(uint16_t, 1)
-    case 4: OUTSIDE(uint32_t, 1)
-    case 5: OUTSIDE(uint64_t, 1)
-    case 8: OUTSIDE(uint16_t, 0)
-    case 6: {
-      const double *q = (const double *)p;
-      for (int64_t i = 0; i < n; i++)
-        if (!(q[i] >= 0 && q[i] < (double)vocab)) return 1;
-      return 0;
-    }
-    case 7: {
-      const float *q = (const float *)p;
-      for (int64_t i = 0; i < n; i++)
-        if (!(q[i] >= 0 && q[i] < (float)vocab)) return 1;
-      return 0;
-    }
+    case 1: return v > UINT8_MAX ? 0 : v;
+    case 8: return v > UINT16_MAX ? 0 : v;
+    case 2: top = 1ull << 7; break;
+    case 3: top = 1ull << 15; break;
+    case 4: top = 1ull << 31; break;
+    case 5: top = 1ull << 63; break;
+    default: return 0;
+  }
+  return v < top ? v : top;
+}
+
+/* Whether any of the n float64 (code 6) or float32 (code 7) tokens at p lies outside [0, vocab). */
+static int floats_outside(const char *p, int64_t n, int code, int64_t vocab) {
+  for (int64_t i = 0; i < n; i++) {
+    double x = code == 6 ? ((const double *)p)[i] : ((const float *)p)[i];
+    if (!(x >= 0 && x < (double)vocab)) return 1;
   }
   return 0;
 }
@@ -106,6 +126,8 @@ int64_t ling2_gather_samples(const char *bin, int64_t bin_bytes, int64_t item,
                              int code, int64_t vocab) {
   data_t d = {bin, bin_bytes, item, n_seq, n_doc, n_smp, n_full, add, want,
               seq_ptr, seq_len, doc, smp, doc64, smp64};
+  uint64_t lim = vocab > 0 ? id_limit(code, vocab) : 0;
+  int floats = vocab > 0 && (code == 6 || code == 7);
   for (int64_t r = 0; r < nj; r++) {
     int64_t j = js[r], bytes, next_bytes = 0;
     if ((totals[r] = check(&d, j)) < 0) return r + 1;
@@ -114,18 +136,25 @@ int64_t ling2_gather_samples(const char *bin, int64_t bin_bytes, int64_t item,
     int64_t e = at(smp, smp64, 2 * j + 2), eo = at(smp, smp64, 2 * j + 3);
     char *dst = out + r * want * item;
     const char *src = piece(&d, b, b, bo, e, eo, &bytes);
+    uint64_t most = 0;
     for (int64_t p = b; p <= e; p++) {
       const char *next = p < e ? piece(&d, p + 1, b, bo, e, eo, &next_bytes) : NULL;
       if (next) {  /* the next piece lies elsewhere in the file: ask for its first lines now */
         __builtin_prefetch(next);
         __builtin_prefetch(next + 64);
       }
-      memcpy(dst, src, (size_t)bytes);
+      if (lim) {
+        uint64_t m = copy_max(dst, src, bytes / item, item);
+        most = m > most ? m : most;
+      } else {
+        memcpy(dst, src, (size_t)bytes);
+      }
       dst += bytes;
       src = next;
       bytes = next_bytes;
     }
-    if (vocab > 0 && outside(out + r * want * item, totals[r], code, vocab)) return -(r + 1);
+    if ((lim && most >= lim) || (floats && floats_outside(out + r * want * item, totals[r], code, vocab)))
+      return -(r + 1);
   }
   return 0;
 }

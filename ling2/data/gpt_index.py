@@ -115,12 +115,12 @@ def build_document_index(indices: np.ndarray, epochs: int, rng: np.random.Random
                          separate_final_epoch: bool) -> np.ndarray:
     """Sequence ids tiled `epochs` times and shuffled (int32 where they fit)."""
     indices = np.asarray(indices)
-    indices = indices.astype(index_dtype(int(indices.max()) if indices.size else 0), copy=False)
+    out = np.empty(indices.size * epochs,
+                   dtype=index_dtype(int(indices.max()) if indices.size else 0))
     if not separate_final_epoch or epochs == 1:
-        out = np.tile(indices, epochs)
+        out.reshape(epochs, indices.size)[:] = indices
         rng.shuffle(out)
         return out
-    out = np.empty(indices.size * epochs, dtype=indices.dtype)
     head = out[: indices.size * (epochs - 1)]
     head.reshape(epochs - 1, indices.size)[:] = indices
     rng.shuffle(head)
@@ -280,11 +280,17 @@ def _mismatches(desc: dict, want: dict, split: str, num_sequences: int) -> list[
     return out
 
 
+def same_dir(a: Optional[str], b: Optional[str]) -> bool:
+    """Whether a and b name one existing directory (then blend_index_dir is also the cache)."""
+    return bool(a and b and os.path.isdir(a) and os.path.isdir(b) and os.path.samefile(a, b))
+
+
 def _find_prebuilt(index_dir: Optional[str], dataset_path: str, split: str, want: dict,
-                   num_sequences: int) -> Optional[str]:
+                   num_sequences: int, strict: bool = True) -> Optional[str]:
     """Base path `{dir}/{md5}-GPTDataset-{split}` of the prebuilt indices (Megatron's or ours)
     for this dataset and request; None when the directory has none for this dataset. Raises
-    a DataError naming the differing fields when it has some, but none for this request."""
+    a DataError naming the differing fields when it has some, but none for this request
+    (unless not `strict`)."""
     found = []
     for base, desc in megatron_descriptions(index_dir, "GPTDataset", split):
         path = str(desc.get("dataset_path"))
@@ -293,7 +299,7 @@ def _find_prebuilt(index_dir: Optional[str], dataset_path: str, split: str, want
             if not diff:
                 return base
             found.append((len(diff), base, diff))
-    if not found:
+    if not found or not strict:
         return None
     _, base, diff = min(found)
     raise DataError(
@@ -311,7 +317,8 @@ class GPTDataset:
     per-split blend). With `vocab_size`, every read checks the token ids and raises a
     DataError naming file, sequence and offset of one outside [0, vocab_size). Indices are
     loaded from prebuilt `.npy` in `index_dir` when it has a set for this dataset (which must
-    match the request), else from / to our cache in `cache_dir`, else built in memory.
+    match the request, unless `index_dir` is also `cache_dir`), else from / to our cache in
+    `cache_dir`, else built in memory.
     """
 
     def __init__(self, dataset: IndexedDataset, split: str = "train",
@@ -327,6 +334,7 @@ class GPTDataset:
         self.add = int(bool(add_extra_token))
         self.pad_id = pad_id
         self.vocab_size = vocab_size
+        self._id_limit = None  # (unsigned view, limit, whether any id can fail), on first use
         self.num_samples = num_samples
         beg, end = split_range(len(dataset), data_split, split)
         name = f"{dataset.prefix} ({split} split, sequences [{beg}, {end}))"
@@ -345,7 +353,8 @@ class GPTDataset:
         }, indent=4)
         self.hash = hashlib.md5(self.description.encode()).hexdigest()
 
-        base = _find_prebuilt(index_dir, dataset.prefix, split, request, len(dataset))
+        base = _find_prebuilt(index_dir, dataset.prefix, split, request, len(dataset),
+                              strict=not same_dir(index_dir, cache_dir))
         self.source = "megatron"
         if base is None and cache_dir:
             base = os.path.join(cache_dir, f"{self.hash}-GPTDataset-{split}")
@@ -511,15 +520,20 @@ class GPTDataset:
                             f"want {want}: the sample index does not fit this dataset")
 
     def _outside(self, tokens: np.ndarray) -> bool:
-        """Whether any of `tokens` lies outside [0, vocab_size) (False without a vocab_size)."""
+        """Whether any of `tokens` (the `.bin`'s dtype) lies outside [0, vocab_size); False
+        without a vocab_size."""
         v = self.vocab_size
         if v is None or not tokens.size:
             return False
-        if tokens.dtype.kind == "u":
-            return v <= np.iinfo(tokens.dtype).max and bool(tokens.max() >= v)
-        if tokens.dtype.kind == "i":
-            return bool(tokens.min() < 0) or bool(tokens.max() >= v)
-        return not bool(((tokens >= 0) & (tokens < v)).all())
+        if tokens.dtype.kind not in "iu":
+            return not bool(((tokens >= 0) & (tokens < v)).all())
+        if self._id_limit is None:
+            dt = tokens.dtype
+            # One max over the ids read as unsigned: a negative one reads as >= 2^(bits - 1).
+            top = np.iinfo(dt).max + 1 if dt.kind == "u" else 1 << (8 * dt.itemsize - 1)
+            self._id_limit = (np.dtype(f"u{dt.itemsize}"), min(v, top), v < top or dt.kind == "i")
+        view, lim, needed = self._id_limit
+        return needed and bool(tokens.view(view).max() >= lim)
 
     def _raise_bad_id(self, j: int, tokens: np.ndarray) -> None:
         """DataError for the first id outside the vocabulary in `tokens`, pre-shuffle sample

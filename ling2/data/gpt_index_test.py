@@ -372,3 +372,18 @@ def test_split_too_small_for_one_sample(tmp_path):
                                         r"has 9 tokens, too few for one sample of sequence "
                                         r"length 16 \(\+1 extra token\)"):
         G.GPTDataset(ds, "train", "1,0,0", 16, num_samples=20)
+
+
+def test_index_dir_that_is_also_the_cache_is_not_strict(tmp_path):
+    """blend_index_dir == blend_cache_dir: indices cached for an earlier request (another
+    sample count) are not an error there; a new set is built and cached beside them."""
+    c = next(c for c in META["gpt_cases"] if c["name"] == "multi_epoch")
+    d = str(tmp_path / "c")
+    assert _gpt(c, "train", cache_dir=d, index_dir=d).source == "built"
+    ds = IndexedDataset(str(FIX / c["dataset"]))
+    more = G.GPTDataset(ds, "train", c["split"], c["seq_length"], 300, c["seed"],
+                        cache_dir=d, index_dir=d)
+    assert more.source == "built" and len(more) >= 300
+    with pytest.raises(DataError, match="num_samples: requested 400, found [23]00"):
+        G.GPTDataset(ds, "train", c["split"], c["seq_length"], 400, c["seed"], index_dir=d,
+                     cache_dir=str(tmp_path / "other"))
