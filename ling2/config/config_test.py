@@ -177,3 +177,27 @@ def test_incomplete_root_file(tmp_path):
 
 def test_configs_dir_is_the_repo_one():
     assert (CONFIGS_DIR / "models" / "ling2.yml").is_file()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(pad_id=32000), r"pad_id: 32000 is outside the vocabulary \[0, vocab_size=32000\) \(-1 means none\)"),
+    (dict(pad_id=-2), r"pad_id: -2 is outside the vocabulary"),
+    (dict(bos_id=40000), r"bos_id: 40000 is outside the vocabulary \[0, vocab_size=32000\)"),
+    (dict(eod_id=-1), r"eod_id: -1 is outside the vocabulary \[0, vocab_size=32000\)"),
+    (dict(vocab_size=100, eod_id=100), r"eod_id: 100 is outside the vocabulary \[0, vocab_size=100\)"),
+    (dict(add_bos=True, bos_id=-1), r"add_bos: needs a bos_id"),
+    (dict(blend_per_split=["a", "b"]), r"blend_per_split: want \[\] or 3 entries"),
+    (dict(data_path="a", blend_per_split=["a", "", ""]), r"blend_per_split: cannot be used with data_path"),
+])
+def test_special_ids_and_data_fields_are_checked(overrides, message):
+    """Hand-made: special ids outside the vocabulary would train on embedding rows that wrap or
+    do not exist; -1 means none for pad_id and bos_id only."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(**overrides)
+
+
+def test_special_ids_in_range_load():
+    cfg = load_config(vocab_size=100, pad_id=-1, bos_id=99, eod_id=0,
+                      blend_per_split=["a", "", "0.5 b 0.5 c"])
+    assert (cfg.pad_id, cfg.bos_id, cfg.eod_id) == (-1, 99, 0)
+    assert cfg.blend_per_split == ["a", "", "0.5 b 0.5 c"]

@@ -131,8 +131,17 @@ class Data(_Group):
     data_seed: int = _f("Seed of the Megatron document and sample shuffles.")
     max_target_length: PositiveInt = _f("Sequence length S.")
     add_extra_token_to_sequence: bool = _f("Samples hold S + 1 tokens so targets are inputs shifted by one (Megatron).")
+    blend_per_split: list[str] = _f(
+        "Megatron's blend_per_split: [train, valid, test] data_path strings ('' for none) used instead of data_path "
+        "and data_split; [] to use data_path.")
+    drop_last_partial_validation_sequence: bool = _f(
+        "Drop the last, partial validation sample (Megatron's default); false pads it.")
+    exact_sample_count: bool = _f(
+        "Count keep-partial samples with an exact integer ceil; false uses Megatron's float32 (differs past 2^24 tokens).")
     blend_cache_dir: str = _f("Cache directory for generated index .npy files; '' disables caching.")
-    blend_index_dir: str = _f("Directory of prebuilt Megatron index .npy files to load instead of building.")
+    blend_index_dir: str = _f(
+        "Directory of prebuilt index .npy files (Megatron's cache) to load instead of building; a set for the same "
+        "dataset built for another request is an error.")
     reset_attention_mask: bool = _f("Each document in a packed sample gets its own segment id.")
     reset_position_ids: bool = _f("Positions restart at 0 after each EOD.")
     eod_mask_loss: bool = _f("Exclude positions whose input token is EOD from the loss.")
@@ -141,7 +150,7 @@ class Data(_Group):
 
 class Tokenizer(_Group):
     tokenizer_path: str = _f("tokenizer.json of the data (recorded with the run; not read by the trainer).")
-    pad_id: int = _f("Padding id in mmap data (masked from the loss); -1 means none.")
+    pad_id: int = _f("Padding id (masked from the loss, as Megatron); -1 means none.")
     bos_id: int = _f("BOS id inserted between documents when add_bos; -1 means none.")
     eod_id: int = _f("End-of-document id: documents in a packed sample are split after it.")
     add_bos: bool = _f("Insert bos_id at the start of every document that begins inside a sample.")
@@ -242,6 +251,16 @@ class Config(*GROUPS):
         need(self.dataset_type in ("mmap", "synthetic"), "dataset_type",
              f"must be 'mmap' or 'synthetic', got {self.dataset_type!r}")
         need(self.opt_type == "adamw", "opt_type", f"only 'adamw' is supported, got {self.opt_type!r}")
+        V = self.vocab_size
+        need(0 <= self.eod_id < V, "eod_id", f"{self.eod_id} is outside the vocabulary [0, vocab_size={V})")
+        for name in ("pad_id", "bos_id"):
+            v = getattr(self, name)
+            need(v == -1 or 0 <= v < V, name, f"{v} is outside the vocabulary [0, vocab_size={V}) (-1 means none)")
+        need(not self.add_bos or self.bos_id >= 0, "add_bos", "needs a bos_id (got -1)")
+        need(len(self.blend_per_split) in (0, 3), "blend_per_split",
+             f"want [] or 3 entries [train, valid, test], got {len(self.blend_per_split)}")
+        need(not (self.blend_per_split and self.data_path), "blend_per_split",
+             "cannot be used with data_path (as Megatron's blend and blend_per_split); set data_path ''")
         for name in ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_expert_parallelism", "ici_tensor_parallelism"):
             v = getattr(self, name)
             need(v == -1 or v >= 1, name, f"must be -1 (fill) or >= 1, got {v}")

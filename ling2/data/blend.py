@@ -7,6 +7,8 @@ Matches Megatron-LM commit d98e8a64 (2026-08-22):
   * no weights, size N: weights are the component lengths, size min(N, sum of lengths).
   * no weights, no size: exhaustive blending of every component sample.
   * a single prefix without a weight is a plain GPTDataset.
+  * per-split blends (`blend_per_split`): each split has its own blend over whole datasets
+    (no split string); a single prefix, weighted or not, is a plain GPTDataset.
 Greedy: for sample s, x = max(s, 1); pick k maximising w_k*x - count_k (strict >, ties to the
 lowest k); dataset_index[s] = k (int16), dataset_sample_index[s] = count_k (int64).
 """
@@ -21,17 +23,19 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ling2.data.gpt_index import SPLITS, GPTDataset, megatron_descriptions, split_matrix
+from ling2.data.errors import DataError
+from ling2.data.gpt_index import (SPLITS, GPTDataset, megatron_descriptions, same_dir,
+                                  split_matrix)
 from ling2.data.indexed import IndexedDataset
 
 SURPLUS = 0.005
 
 
-def parse_data_path(data_path: str) -> tuple[list[str], Optional[list[float]]]:
+def parse_data_path(data_path: str, field: str = "data_path") -> tuple[list[str], Optional[list[float]]]:
     """"0.3 /a 0.7 /b" -> (["/a", "/b"], [0.3, 0.7]); "/a /b" -> (["/a", "/b"], None)."""
     toks = data_path.split() if isinstance(data_path, str) else [str(t) for t in data_path]
     if not toks:
-        raise ValueError("data_path is empty")
+        raise ValueError(f"{field} is empty")
 
     def num(t):
         try:
@@ -44,12 +48,12 @@ def parse_data_path(data_path: str) -> tuple[list[str], Optional[list[float]]]:
         return toks, None
     if len(toks) % 2 or any(v is None for v in nums[0::2]) or any(
             v is not None for v in nums[1::2]):
-        raise ValueError(f"data_path {data_path!r}: expected 'weight prefix' pairs or only "
+        raise ValueError(f"{field} {data_path!r}: expected 'weight prefix' pairs or only "
                          f"prefixes; got {len(toks)} items with weights and paths mismatched")
     weights, prefixes = [float(v) for v in nums[0::2]], toks[1::2]
     for i, w in enumerate(weights):
         if not (w > 0 and math.isfinite(w)):
-            raise ValueError(f"data_path {data_path!r}: weight {i} ({toks[2 * i]!r}) for "
+            raise ValueError(f"{field} {data_path!r}: weight {i} ({toks[2 * i]!r}) for "
                              f"{prefixes[i]} must be > 0")
     return prefixes, weights
 
@@ -112,16 +116,41 @@ def build_exhaustive_blending_indices(sizes: Sequence[int]):
     return dataset_index, sample_index
 
 
-def _find_megatron_blend(index_dir, prefixes, split, size) -> Optional[str]:
+def _find_prebuilt_blend(index_dir, prefixes, split, weights, size,
+                         strict: bool = True) -> Optional[str]:
+    """Base path of the prebuilt BlendedDataset indices for these datasets (by name), or None
+    when there are none; a DataError naming the fields when they were built for another
+    size or weights (unless not `strict`)."""
     names = [os.path.basename(p) for p in prefixes]
+    found = []
     for base, desc in megatron_descriptions(index_dir, "BlendedDataset", split):
         try:
             paths = [os.path.basename(str(d["dataset_path"])) for d in desc["datasets"]]
         except (KeyError, TypeError):
             continue
-        if paths == names and desc.get("size") == size:
+        if paths != names:
+            continue
+        diff = []
+        if desc.get("size") != size:
+            diff.append(f"size: requested {size}, found {desc.get('size')}")
+        got = desc.get("weights")
+        try:
+            same = len(got) == len(weights) and np.allclose(normalize(got), normalize(weights),
+                                                            rtol=1e-9, atol=1e-12)
+        except (TypeError, ValueError):
+            same = False
+        if not same:
+            diff.append(f"weights: requested {list(weights)}, found {got}")
+        if not diff:
             return base
-    return None
+        found.append((len(diff), base, diff))
+    if not found or not strict:
+        return None
+    _, base, diff = min(found)
+    raise DataError(
+        f"{base}-description.txt: the prebuilt BlendedDataset {split} indices for {names} do "
+        f"not match this request ({'; '.join(diff)}). Point blend_index_dir at indices built "
+        f"for this request, or set it to '' to build them")
 
 
 class BlendedDataset:
@@ -144,7 +173,8 @@ class BlendedDataset:
             "split": split, "weights": list(weights), "size": size}, indent=4)
         self.hash = hashlib.md5(self.description.encode()).hexdigest()
         names = ("dataset_index", "dataset_sample_index")
-        base = _find_megatron_blend(index_dir, [d.dataset.prefix for d in datasets], split, size)
+        base = _find_prebuilt_blend(index_dir, [d.dataset.prefix for d in datasets], split,
+                                    weights, size, strict=not same_dir(index_dir, cache_dir))
         self.source = "megatron"
         if base is None and cache_dir:
             base = os.path.join(cache_dir, f"{self.hash}-BlendedDataset-{split}")
@@ -174,7 +204,7 @@ class BlendedDataset:
                              minlength=len(datasets))
         for k, (c, d) in enumerate(zip(counts, datasets)):
             if c > len(d):
-                raise ValueError(f"the {split} blend draws {c} samples from dataset {k} "
+                raise DataError(f"the {split} blend draws {c} samples from dataset {k} "
                                  f"({d.dataset.prefix}) which has only {len(d)}")
 
     def __len__(self) -> int:
@@ -185,29 +215,36 @@ class BlendedDataset:
 
     def samples(self, ids, dtype=np.int64) -> np.ndarray:
         """[len(ids), S + add]: each component's samples read in one batched call."""
+        return self.read(ids, dtype)[0]
+
+    def read(self, ids, dtype=np.int64) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [len(ids), S + add], real lengths [len(ids)] int32), as GPTDataset.read."""
         ids = np.asarray(ids, dtype=np.int64)
         which = np.asarray(self.dataset_index[ids], dtype=np.int64)
         local = np.asarray(self.dataset_sample_index[ids], dtype=np.int64)
         d0 = self.datasets[0]
         out = np.empty((ids.size, d0.seq_length + d0.add), dtype=dtype)
+        lengths = np.empty(ids.size, np.int32)
         for k in np.unique(which).tolist():
             rows = which == k
-            out[rows] = self.datasets[k].samples(local[rows], dtype)
-        return out
+            out[rows], lengths[rows] = self.datasets[k].read(local[rows], dtype)
+        return out, lengths
 
 
 def build_splits(data_path: str, data_split: str, seq_length: int,
                  num_samples: Sequence[Optional[int]], seed: int = 1234,
                  add_extra_token: bool = True, drop_last_valid: bool = True,
                  cache_dir: Optional[str] = None, index_dir: Optional[str] = None,
-                 pad_id: int = -1, splits: Sequence[str] = SPLITS) -> list:
+                 splits: Sequence[str] = SPLITS, vocab_size: Optional[int] = None,
+                 exact_sample_count: bool = False,
+                 blend_per_split: Optional[Sequence[str]] = None) -> list:
     """[train, valid, test] datasets (GPTDataset, BlendedDataset or None) as Megatron's builder.
 
     num_samples: requested samples per split (None: one pass / exhaustive). Only `splits` are
     built; a split asking for 0 samples is None (Megatron would still build it).
+    blend_per_split: three data_path strings (train, valid, test; '' for none) used instead
+    of `data_path` and `data_split`, as Megatron's `blend_per_split`.
     """
-    prefixes, weights = parse_data_path(data_path)
-    bounds = split_matrix(data_split)
     low = {}
 
     def low_level(p):
@@ -215,32 +252,52 @@ def build_splits(data_path: str, data_split: str, seq_length: int,
             low[p] = IndexedDataset(p)
         return low[p]
 
-    def gpt(p, split, n):
-        return GPTDataset(low_level(p), split, data_split, seq_length, n, seed, add_extra_token,
+    def gpt(p, split, n, frac):
+        return GPTDataset(low_level(p), split, frac, seq_length, n, seed, add_extra_token,
                           drop_last=drop_last_valid if split == "valid" else True,
-                          cache_dir=cache_dir, index_dir=index_dir, pad_id=pad_id)
+                          cache_dir=cache_dir, index_dir=index_dir, vocab_size=vocab_size,
+                          exact_sample_count=exact_sample_count)
+
+    def blended(prefixes, weights, split, n, frac):
+        if weights is not None:
+            if n is None:
+                raise DataError(f"a blend with weights needs a sample count for the {split} "
+                                f"split")
+            target, built = component_sizes(weights, n)
+            parts = [gpt(p, split, b, frac) for p, b in zip(prefixes, built)]
+            return BlendedDataset(parts, weights, sum(target), split, cache_dir, index_dir)
+        parts = [gpt(p, split, None, frac) for p in prefixes]
+        lens = [len(d) for d in parts]
+        size = None if n is None else min(n, sum(lens))
+        return BlendedDataset(parts, lens, size, split, cache_dir, index_dir)
 
     out = []
+    if blend_per_split:
+        if len(blend_per_split) != len(SPLITS):
+            raise ValueError(f"blend_per_split: want {len(SPLITS)} entries (train, valid, test; "
+                             f"'' for none), got {len(blend_per_split)}")
+        for i, split in enumerate(SPLITS):
+            path = blend_per_split[i]
+            if not path or not path.strip() or split not in splits or num_samples[i] == 0:
+                out.append(None)
+                continue
+            prefixes, weights = parse_data_path(path, f"blend_per_split[{i}] ({split})")
+            if len(prefixes) == 1:
+                out.append(gpt(prefixes[0], split, num_samples[i], None))
+            else:
+                out.append(blended(prefixes, None if weights is None else normalize(weights),
+                                   split, num_samples[i], None))
+        return out
+
+    prefixes, weights = parse_data_path(data_path)
+    bounds = split_matrix(data_split)
     if weights is not None:
         weights = normalize(weights)
     for i, split in enumerate(SPLITS):
         if bounds[i] is None or split not in splits or num_samples[i] == 0:
             out.append(None)
-            continue
-        n = num_samples[i]
-        if len(prefixes) == 1 and weights is None:
-            out.append(gpt(prefixes[0], split, n))
-            continue
-        if weights is not None:
-            if n is None:
-                raise ValueError(f"data_path with weights needs a sample count for the "
-                                 f"{split} split")
-            target, built = component_sizes(weights, n)
-            parts = [gpt(p, split, b) for p, b in zip(prefixes, built)]
-            out.append(BlendedDataset(parts, weights, sum(target), split, cache_dir, index_dir))
+        elif len(prefixes) == 1 and weights is None:
+            out.append(gpt(prefixes[0], split, num_samples[i], data_split))
         else:
-            parts = [gpt(p, split, None) for p in prefixes]
-            lens = [len(d) for d in parts]
-            size = None if n is None else min(n, sum(lens))
-            out.append(BlendedDataset(parts, lens, size, split, cache_dir, index_dir))
+            out.append(blended(prefixes, weights, split, num_samples[i], data_split))
     return out

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ling2.data import blend as B
+from ling2.data.errors import DataError
 from ling2.data.gpt_index import SPLITS
 from ling2.data.indexed import write_dataset
 
@@ -20,8 +21,7 @@ BLENDS = {c["name"]: c for c in META["blend_cases"]}
 
 def _build(c, **kw):
     path = " ".join(f"{w} {FIX / p}" for w, p in zip(c["weights"], c["datasets"]))
-    return B.build_splits(path, c["split"], c["seq_length"], c["sizes"], c["seed"], pad_id=999,
-                          **kw)
+    return B.build_splits(path, c["split"], c["seq_length"], c["sizes"], c["seed"], **kw)
 
 
 def _check(c, out):
@@ -125,7 +125,7 @@ def test_parse_data_path():
 
 
 def test_missing_dataset_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"nope\.idx: no such file"):
+    with pytest.raises(DataError, match=r"nope\.idx: no such file"):
         B.build_splits(f"0.5 {FIX / 'blend_a'} 0.5 {tmp_path / 'nope'}", "1,0,0", 8,
                        [10, None, None])
 
@@ -134,3 +134,44 @@ def test_weights_need_size():
     with pytest.raises(ValueError, match="needs a sample count for the train split"):
         B.build_splits(f"0.5 {FIX / 'blend_a'} 0.5 {FIX / 'blend_b'}", "1,0,0", 8,
                        [None, None, None])
+
+
+SEM = json.loads((FIX / "semantics.json").read_text())
+
+
+def test_blend_per_split_megatron_parity():
+    """Reference: Megatron-LM's BlendedMegatronDatasetBuilder with blend_per_split (fixture
+    per_split-*, see the README): train a weighted 2-way blend, valid an unweighted one, test a
+    single prefix with a weight (a plain GPTDataset); each over whole datasets."""
+    (c,) = SEM["per_split_cases"]
+    per_split = [" ".join(str(FIX / t) if t.startswith("blend_") else t for t in p.split())
+                 for p in c["blend_per_split"]]
+    out = B.build_splits("", "969,30,1", c["seq_length"], c["sizes"], c["seed"],
+                         blend_per_split=per_split)
+    for split, sp in c["splits"].items():
+        got, want = out[SPLITS.index(split)], np.load(FIX / f"{sp['case']}.npz")
+        assert type(got).__name__ == sp["class"] and len(got) == sp["length"]
+        names = (("dataset_index", "dataset_sample_index") if sp["class"] == "BlendedDataset"
+                 else ("document_index", "sample_index", "shuffle_index"))
+        for k in names:
+            np.testing.assert_array_equal(getattr(got, k), want[k], err_msg=f"{split} {k}")
+        np.testing.assert_array_equal(got.samples(np.arange(len(got)))[:, :-1], want["tokens"])
+    with pytest.raises(ValueError, match="want 3 entries"):
+        B.build_splits("", "1,0,0", 8, [5, 5, 5], blend_per_split=per_split[:2])
+    empty = B.build_splits("", "1,0,0", 8, [5, 5, 5], blend_per_split=[per_split[0], "", ""])
+    assert empty[1] is None and empty[2] is None
+
+
+def test_prebuilt_blend_for_other_weights_is_refused(tmp_path):
+    """Megatron's blend2 cache (weights 0.3, 0.7; size 120): other weights are a DataError
+    naming them, requested vs found; through build_splits the components are refused first
+    (they were built for other sample counts)."""
+    c = BLENDS["blend2"]
+    shutil.copytree(FIX / "megatron_cache_blend2", tmp_path / "m")
+    path = " ".join(f"{w} {FIX / p}" for w, p in zip([0.4, 0.6], c["datasets"]))
+    parts = B.build_splits(path, c["split"], c["seq_length"], c["sizes"], c["seed"])[0].datasets
+    with pytest.raises(DataError, match=r"weights: requested \[0\.4, 0\.6\], found \[0\.3, 0\.7\]"):
+        B.BlendedDataset(parts, [0.4, 0.6], 120, "train", index_dir=str(tmp_path / "m"))
+    with pytest.raises(DataError, match=r"num_samples: requested \d+, found \d+"):
+        B.build_splits(path, c["split"], c["seq_length"], c["sizes"], c["seed"],
+                       index_dir=str(tmp_path / "m"))

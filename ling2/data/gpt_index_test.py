@@ -12,6 +12,7 @@ import pytest
 from ling2 import native
 from ling2.data import gather
 from ling2.data import gpt_index as G
+from ling2.data.errors import DataError
 from ling2.data.indexed import IndexedDataset, write_dataset
 
 FIX = Path(__file__).resolve().parent / "testdata" / "megatron"
@@ -212,3 +213,177 @@ def test_reader_rejects_an_index_that_does_not_fit(tmp_path):
     with pytest.raises(ValueError, match=r"sample_index.npy: position outside the document "
                                          r"index \[0, 3\)"):
         G.GPTDataset(ds, "train", "1,0,0", 2, cache_dir=str(tmp_path / "c"))
+
+
+SEM = json.loads((FIX / "semantics.json").read_text())
+
+
+def _bad_ids_dataset(tmp_path, dtype=np.int32):
+    """Three one-sequence documents; sequence 1 holds an id at token offset 3."""
+    docs = [[[5, 6, 7, 8, 9]], [[10, 11, 12, 0, 14, 15]], [[16, 17, 18, 19]]]
+    write_dataset(str(tmp_path / "bad"), docs, dtype=dtype)
+    return IndexedDataset(str(tmp_path / "bad"))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
+@pytest.mark.parametrize("bad,dtype", [(-1, np.int32), (20, np.int32), (20, np.uint16),
+                                       (-1, np.int8)])
+def test_token_ids_outside_the_vocabulary_are_named(tmp_path, monkeypatch, native, bad, dtype):
+    """Hand-made case: an id outside [0, vocab_size) (-1 would wrap to row V-1 in the
+    embedding; >= V gives NaN) is a DataError naming the .bin, sequence, offset, id and
+    vocab_size, on every read path."""
+    if not native:
+        monkeypatch.setattr(gather, "native", lambda: None)
+    docs = [[[5, 6, 7, 8, 9]], [[10, 11, 12, 13, 14, 15]], [[16, 17, 18, 19]]]
+    write_dataset(str(tmp_path / "bad"), docs, dtype=dtype)
+    raw = np.memmap(str(tmp_path / "bad.bin"), dtype=dtype, mode="r+")
+    raw[5 + 3] = bad  # sequence 1, token offset 3
+    raw.flush()
+    del raw
+    ds = IndexedDataset(str(tmp_path / "bad"))
+    g = G.GPTDataset(ds, "train", "1,0,0", 4, vocab_size=20)
+    msg = (rf"bad\.bin: token id {bad} at sequence 1 \(document 1\), token offset 3 "
+           rf"\(byte {8 * np.dtype(dtype).itemsize}\) is outside the vocabulary "
+           rf"\[0, vocab_size=20\)")
+    with pytest.raises(DataError, match=msg):
+        g.samples(np.arange(len(g)))
+    with pytest.raises(DataError, match=msg):
+        for i in range(len(g)):
+            g[i]
+    unchecked = G.GPTDataset(ds, "train", "1,0,0", 4).samples(np.arange(len(g)))
+    assert (unchecked == bad).any()  # read unchecked without a vocab_size
+    if dtype == np.uint16:  # every uint16 id fits a vocabulary of 65536
+        G.GPTDataset(ds, "train", "1,0,0", 4, vocab_size=65536).samples(np.arange(len(g)))
+
+
+@pytest.mark.parametrize("case", SEM["float32_cases"], ids=lambda c: c["name"])
+def test_keep_partial_count_is_megatrons_float32_by_default(case):
+    """Reference: Megatron-LM's helpers.cpp build_sample_idx (fixtures float32_*, see the
+    README): past 2^24 tokens its keep-partial sample count, ceil(float(T - add) / S) in float32,
+    is one short (the partial sample dropped) or one over (an extra sample of the stream's last
+    token, from a -DNDEBUG build as pip installs it). That is the default; exact_sample_count
+    gives the integer ceil."""
+    sizes = np.array(case["sizes"], np.int32)
+    doc = np.array(case["document_index"], np.int32)
+    S, total = case["seq_length"], int(sizes.sum())
+    want = np.load(FIX / f"{case['name']}-sample_index.npy")
+    got = G.build_sample_index(sizes, doc, S, 1, total, drop_last=False, add=1)
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == np.int32
+    assert G.sample_count(total, S, 1, drop_last=False) == case["megatron_num_samples"]
+    exact = G.build_sample_index(sizes, doc, S, 1, total, drop_last=False, add=1, exact=True)
+    assert exact.shape[0] - 1 == case["exact_num_samples"] != case["megatron_num_samples"]
+    n = min(exact.shape[0], want.shape[0]) - 1  # the full samples agree
+    np.testing.assert_array_equal(exact[:n], want[:n])
+    # the exact index ends at the stream end: (last entry, its length - 1)
+    np.testing.assert_array_equal(exact[-1], [3, sizes[0] - 1])
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
+@pytest.mark.parametrize("case", SEM["float32_cases"], ids=lambda c: c["name"])
+def test_float32_and_exact_counts_through_the_reader(tmp_path, monkeypatch, native, case):
+    """The same cases as a dataset (uint8 zeros): Megatron's count by default, the exact one
+    with exact_sample_count; every sample reads, the short ones pad-filled past their length."""
+    if not native:
+        monkeypatch.setattr(gather, "native", lambda: None)
+    write_dataset(str(tmp_path / "big"), [[np.zeros(n, np.uint8)] for n in case["sizes"]],
+                  dtype=np.uint8)
+    ds = IndexedDataset(str(tmp_path / "big"))
+    S = case["seq_length"]
+    for exact, n in ((False, case["megatron_num_samples"]), (True, case["exact_num_samples"])):
+        g = G.GPTDataset(ds, "valid", "0,1,0", S, drop_last=False, exact_sample_count=exact,
+                         pad_id=-7, vocab_size=10)
+        assert len(g) == n
+        tokens, lengths = g.read(np.arange(n))
+        full = (sum(case["sizes"]) - 1) // S
+        assert (lengths == np.where(g.shuffle_index < full, S + 1, lengths)).all()
+        assert ((tokens == -7) == (np.arange(S + 1) >= lengths[:, None])).all()
+        assert (lengths < S + 1).sum() == max(0, n - full)
+
+
+def _megatron_dir(tmp_path):
+    index_dir = tmp_path / "megatron"
+    shutil.copytree(FIX / "megatron_cache", index_dir)
+    return str(index_dir)
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(data_split="969,30,1"), r"split: requested '969,30,1' \(train = sequences \[0, \d+\)\), "
+                                  r"found '80,15,5' \(sequences \[0, \d+\)\)"),
+    (dict(seed=7), "random_seed: requested 7, found 1234"),
+    (dict(seq_length=32), "sequence_length: requested 32, found 16"),
+    (dict(num_samples=300), "num_samples: requested 300, found 200"),
+])
+def test_prebuilt_indices_for_another_request_are_refused(tmp_path, change, field):
+    """Megatron's own cache (fixture megatron_cache: docs_u16, split 80,15,5, seq 16, seed
+    1234, 200 train samples): a request differing in any field the indices depend on is a
+    DataError naming that field, requested vs found (it used to load them regardless of the
+    split)."""
+    kw = dict(data_split="80,15,5", seq_length=16, num_samples=200, seed=1234)
+    kw.update(change)
+    ds = IndexedDataset(str(FIX / "docs_u16"))
+    with pytest.raises(DataError, match=field):
+        G.GPTDataset(ds, "train", kw["data_split"], kw["seq_length"], kw["num_samples"],
+                     kw["seed"], index_dir=_megatron_dir(tmp_path))
+
+
+def test_prebuilt_indices_for_another_drop_last_are_refused(tmp_path):
+    """Megatron's description has no drop-last field: the sample count tells (fixture
+    megatron_cache, valid split built with drop-last)."""
+    ds = IndexedDataset(str(FIX / "docs_u16"))
+    index_dir = _megatron_dir(tmp_path)
+    g = G.GPTDataset(ds, "valid", "80,15,5", 16, 20, index_dir=index_dir)
+    assert g.source == "megatron"
+    with pytest.raises(DataError, match=r"this request \(num_samples=20, add_extra_token=True, "
+                                        r"drop_last=False, exact_sample_count=False\) makes"):
+        G.GPTDataset(ds, "valid", "80,15,5", 16, 20, drop_last=False, index_dir=index_dir)
+    # Read without the extra token, the same index gives exactly the samples built for that
+    # request (the stream slices and the shuffle agree when the counts do): accepted.
+    loaded = G.GPTDataset(ds, "valid", "80,15,5", 16, 20, add_extra_token=False,
+                          index_dir=index_dir)
+    built = G.GPTDataset(ds, "valid", "80,15,5", 16, 20, add_extra_token=False)
+    assert loaded.source == "megatron" and len(loaded) == len(built)
+    np.testing.assert_array_equal(loaded.samples(np.arange(len(built))),
+                                  built.samples(np.arange(len(built))))
+
+
+def test_our_cache_is_int32_as_megatrons(tmp_path):
+    """Our cached index files take Megatron's bytes (int32; its shuffle index is uint32), for
+    the multi_epoch fixture case, and still read int64 files."""
+    c = next(c for c in META["gpt_cases"] if c["name"] == "multi_epoch")
+    g = _gpt(c, "train", cache_dir=str(tmp_path / "c"))
+    for k in NAMES:
+        (ours,) = (tmp_path / "c").glob(f"*-{k}.npy")
+        (theirs,) = (FIX / "megatron_cache").glob(f"*-GPTDataset-train-{k}.npy")
+        assert np.load(ours).dtype == np.int32, k
+        assert ours.stat().st_size == theirs.stat().st_size, k
+        np.save(ours, np.load(ours).astype(np.int64))
+    again = _gpt(c, "train", cache_dir=str(tmp_path / "c"))
+    assert again.source == "cache" and again.sample_index.dtype == np.int64
+    np.testing.assert_array_equal(again.samples(np.arange(len(g))), g.samples(np.arange(len(g))))
+
+
+def test_split_too_small_for_one_sample(tmp_path):
+    """Hand-made: 9 tokens cannot make a sample of 16 + 1; Megatron would tile the same 9
+    tokens into every sample. A DataError naming the dataset and split instead."""
+    write_dataset(str(tmp_path / "tiny"), [[[5, 6, 7, 8, 9, 2]], [[10, 11, 2]]], dtype=np.uint16)
+    ds = IndexedDataset(str(tmp_path / "tiny"))
+    with pytest.raises(DataError, match=r"tiny \(train split, sequences \[0, 2\)\): the split "
+                                        r"has 9 tokens, too few for one sample of sequence "
+                                        r"length 16 \(\+1 extra token\)"):
+        G.GPTDataset(ds, "train", "1,0,0", 16, num_samples=20)
+
+
+def test_index_dir_that_is_also_the_cache_is_not_strict(tmp_path):
+    """blend_index_dir == blend_cache_dir: indices cached for an earlier request (another
+    sample count) are not an error there; a new set is built and cached beside them."""
+    c = next(c for c in META["gpt_cases"] if c["name"] == "multi_epoch")
+    d = str(tmp_path / "c")
+    assert _gpt(c, "train", cache_dir=d, index_dir=d).source == "built"
+    ds = IndexedDataset(str(FIX / c["dataset"]))
+    more = G.GPTDataset(ds, "train", c["split"], c["seq_length"], 300, c["seed"],
+                        cache_dir=d, index_dir=d)
+    assert more.source == "built" and len(more) >= 300
+    with pytest.raises(DataError, match="num_samples: requested 400, found [23]00"):
+        G.GPTDataset(ds, "train", c["split"], c["seq_length"], 400, c["seed"], index_dir=d,
+                     cache_dir=str(tmp_path / "other"))

@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ling2.data.errors import DataError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = 34  # magic 9 + version 8 + dtype 1 + sequence count 8 + document count 8
@@ -35,7 +37,7 @@ DTYPES = {
 CODES = {dt: code for code, dt in DTYPES.items()}
 
 
-class DataFormatError(ValueError):
+class DataFormatError(DataError):
     """A `.bin`/`.idx` file is malformed; the message names the file and byte offset."""
 
 
@@ -72,7 +74,7 @@ class IndexedDataset:
         ipath, bpath = idx_path(prefix), bin_path(prefix)
         for p in (ipath, bpath):
             if not os.path.isfile(p):
-                raise FileNotFoundError(f"{p}: no such file (dataset prefix {prefix!r})")
+                raise DataError(f"{p}: no such file (dataset prefix {prefix!r})")
         isize = os.path.getsize(ipath)
         if isize < HEADER_BYTES:
             raise DataFormatError(

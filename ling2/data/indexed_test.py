@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ling2.data import indexed as I
+from ling2.data.errors import DataError
 
 FIX = Path(__file__).resolve().parent / "testdata" / "megatron"
 
@@ -203,9 +204,17 @@ def test_empty_dataset(tmp_path):
 
 
 def test_missing_file(good):
+    """A missing .bin or .idx is a DataError naming the file (hand-made case)."""
     os.remove(good + ".bin")
-    with pytest.raises(FileNotFoundError, match=r"g\.bin: no such file"):
+    with pytest.raises(DataError, match=r"g\.bin: no such file"):
         I.IndexedDataset(good)
+    os.remove(good + ".idx")
+    with pytest.raises(DataError, match=r"g\.idx: no such file"):
+        I.IndexedDataset(good)
+
+
+def test_format_errors_are_data_errors():
+    assert issubclass(I.DataFormatError, DataError) and issubclass(DataError, ValueError)
 
 
 def test_trailing_bytes(good):

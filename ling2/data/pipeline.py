@@ -1,9 +1,13 @@
 """Grain input pipeline over Megatron samples: source -> transforms -> per-host batches.
 
-A sample is `max_target_length + add` token ids. A grain record is one host batch, read
-in one vectorised pass; the decoupled transforms (which work on one sample or a batch)
-turn text [b, S + add] into
-  inputs, targets, positions, segment_ids: [b, S] int32;  loss_weights: [b, S] float32.
+A sample is `max_target_length + add` token ids and its real length (shorter only for a
+keep-partial last sample). A grain record is one host batch, read in one vectorised pass;
+the decoupled transforms (which work on one sample or a batch) turn text [b, S + add] into
+  inputs, targets, positions, segment_ids: [b, S] int32;  loss_weights: [b, S] float32,
+as Megatron's `GPTDataset.__getitem__`: the pad id is `megatron_pad_id` (-1 when there is
+none or it collides with EOD/BOS), it fills every position past the real length, and then
+inputs/targets equal to it become 0 and targets equal to it get loss weight 0. Segment ids
+come from EOD positions only (padding, known by position, gets 0), never from the pad id.
 Global batch t is samples [t*B, (t+1)*B) of the (already shuffled) Megatron order; host p of
 P reads the contiguous slice [t*B + p*b, t*B + (p+1)*b), b = B/P, as Megatron's
 data-parallel sampler. Iterators are grain's, so `get_state`/`set_state` resume exactly.
@@ -21,6 +25,7 @@ import grain
 import numpy as np
 
 from ling2.data.blend import build_splits
+from ling2.data.errors import DataError
 from ling2.data.gpt_index import SPLITS
 
 SAMPLE_DIR = Path(os.path.abspath(__file__)).parents[2] / "data" / "sample"  # runfiles under Bazel
@@ -35,11 +40,26 @@ def sample_tokenizer() -> str:
     return str(SAMPLE_DIR / "tokenizer.json")
 
 
-def read_samples(dataset, ids) -> np.ndarray:
-    """[len(ids), S + add] int32 samples; batched when the dataset supports it."""
-    if hasattr(dataset, "samples"):
-        return dataset.samples(ids, np.int32)
-    return np.stack([np.asarray(dataset[int(i)], dtype=np.int32) for i in ids])
+def read_samples(dataset, ids) -> tuple[np.ndarray, np.ndarray]:
+    """([len(ids), S + add] int32 samples, [len(ids)] int32 real lengths); batched when the
+    dataset supports it (GPTDataset, BlendedDataset), else every sample is full."""
+    if hasattr(dataset, "read"):
+        return dataset.read(ids, np.int32)
+    text = np.stack([np.asarray(dataset[int(i)], dtype=np.int32) for i in ids])
+    return text, np.full(len(text), text.shape[-1], np.int32)
+
+
+def megatron_pad_id(pad_id: int, eod_id: int, bos_id: int = -1) -> int:
+    """The pad id the pipeline uses, as Megatron's MegatronDataset: `pad_id`, or -1 when there
+    is none (< 0) or it equals another special id (EOD, BOS), with a warning: then pad tokens
+    already in the data are trained on like any token."""
+    if pad_id < 0:
+        return -1
+    if pad_id in (eod_id, bos_id):
+        warnings.warn(f"pad_id {pad_id} equals the EOD/BOS id: pad tokens in the data are not "
+                      "masked; padding uses -1 (as Megatron)")
+        return -1
+    return pad_id
 
 
 class SyntheticDataset:
@@ -61,13 +81,16 @@ class SyntheticDataset:
 
 
 class HostBatches(grain.sources.RandomAccessDataSource):
-    """Record t = this host's share of global batch t: {"text": int32 [B/P, S + add]}.
+    """Record t = this host's share of global batch t: {"text": int32 [B/P, S + add],
+    "length": int32 [B/P] real tokens per sample}.
 
     The share is Megatron's contiguous data-parallel slice of samples [t*B, (t+1)*B).
     """
 
     def __init__(self, dataset, global_batch: int, process_index: int = 0,
                  process_count: int = 1):
+        if global_batch < 1:
+            raise DataError(f"the global batch size is {global_batch}: it must be >= 1")
         if global_batch % process_count:
             raise ValueError(f"global batch {global_batch} is not divisible by "
                              f"{process_count} processes")
@@ -80,34 +103,50 @@ class HostBatches(grain.sources.RandomAccessDataSource):
 
     def __getitem__(self, t: int) -> dict:
         first = int(t) * self.global_batch + self.offset
-        return {"text": read_samples(self.dataset, np.arange(first, first + self.local))}
+        text, length = read_samples(self.dataset, np.arange(first, first + self.local))
+        return {"text": text, "length": length}
+
+
+def _real(x: dict, width: int) -> np.ndarray:
+    """[..., width] bool: positions before the sample's real length (all without a length)."""
+    text = x["text"]
+    if "length" not in x:
+        return np.ones(text.shape[:-1] + (width,), bool)
+    return np.arange(width) < np.asarray(x["length"])[..., None]
 
 
 @dataclasses.dataclass
 class AddBos(grain.transforms.Map):
-    """Inserts bos_id after every EOD (a document starting inside the sample); keeps the length."""
+    """Inserts bos_id after every EOD (a document starting inside the sample); keeps the length
+    (a BOS after the last real token is not real)."""
 
     bos_id: int
     eod_id: int
 
-    def _row(self, text):
-        at = np.flatnonzero(text[:-1] == self.eod_id) + 1
-        return np.insert(text, at, self.bos_id)[: text.size] if at.size else text
+    def _row(self, text, n):
+        at = np.flatnonzero(text[:n - 1] == self.eod_id) + 1
+        return (np.insert(text, at, self.bos_id)[: text.size] if at.size else text,
+                min(text.size, n + at.size))
 
     def map(self, x: dict) -> dict:
         text = x["text"]
-        rows = np.stack([self._row(r) for r in text.reshape(-1, text.shape[-1])])
-        return {**x, "text": rows.reshape(text.shape)}
+        flat = text.reshape(-1, text.shape[-1])
+        n = np.broadcast_to(x.get("length", text.shape[-1]), text.shape[:-1]).reshape(-1)
+        rows, lengths = zip(*(self._row(r, int(k)) for r, k in zip(flat, n)))
+        out = {**x, "text": np.stack(rows).reshape(text.shape)}
+        if "length" in x:
+            out["length"] = np.array(lengths, np.int32).reshape(np.shape(x["length"]))
+        return out
 
 
 @dataclasses.dataclass
 class GenerateDocSegmentIds(grain.transforms.Map):
     """segment_ids [..., S]: with reset_attention_mask, 1 + number of EODs before the position
-    in the inputs (an EOD belongs to the document it ends); else all 1. Padding gets 0."""
+    in the inputs (an EOD belongs to the document it ends); else all 1. Positions past the
+    sample's real length (padding) get 0."""
 
     eod_id: int
     reset_attention_mask: bool
-    pad_id: int = -1
     add_extra_token: bool = True
 
     def map(self, x: dict) -> dict:
@@ -118,18 +157,19 @@ class GenerateDocSegmentIds(grain.transforms.Map):
             seg = np.cumsum(is_eod, axis=-1, dtype=np.int32) - is_eod + 1
         else:
             seg = np.ones(inputs.shape, np.int32)
-        if self.pad_id >= 0:
-            seg[inputs == self.pad_id] = 0
+        seg[~_real(x, inputs.shape[-1])] = 0
         return {**x, "segment_ids": seg}
 
 
 @dataclasses.dataclass
 class SplitInputsTargets(grain.transforms.Map):
-    """text [..., S + add] -> inputs, targets, positions, loss_weights [..., S] (Megatron's rules).
+    """text [..., S + add] -> inputs, targets, positions, loss_weights [..., S], as Megatron's
+    GPTDataset.__getitem__ with pad id `pad_id` (already `megatron_pad_id`).
 
-    targets are text shifted by one (without the extra token the last target is padding).
-    positions restart after each EOD with reset_position_ids. loss_weights are 0 where the
-    input is EOD (eod_mask_loss) and where the target is pad_id; pad ids become 0.
+    Positions past the real length are set to pad_id; targets are text shifted by one
+    (without the extra token the last target is pad_id); positions restart after each EOD with
+    reset_position_ids; loss_weights are 0 where the input is EOD (eod_mask_loss) and where
+    the target is pad_id; inputs and targets equal to pad_id become 0.
     """
 
     eod_id: int
@@ -139,7 +179,7 @@ class SplitInputsTargets(grain.transforms.Map):
     add_extra_token: bool = True
 
     def map(self, x: dict) -> dict:
-        text = x["text"]
+        text = np.where(_real(x, x["text"].shape[-1]), x["text"], self.pad_id)
         if self.add_extra_token:
             inputs, targets = text[..., :-1].copy(), text[..., 1:].copy()
         else:
@@ -154,11 +194,10 @@ class SplitInputsTargets(grain.transforms.Map):
         w = np.ones(inputs.shape, np.float32)
         if self.eod_mask_loss:
             w[inputs == self.eod_id] = 0.0
-        if self.pad_id >= 0 or not self.add_extra_token:
-            w[targets == self.pad_id] = 0.0
-            inputs[inputs == self.pad_id] = 0
-            targets[targets == self.pad_id] = 0
-        out = {k: v for k, v in x.items() if k != "text"}
+        w[targets == self.pad_id] = 0.0
+        inputs[inputs == self.pad_id] = 0
+        targets[targets == self.pad_id] = 0
+        out = {k: v for k, v in x.items() if k not in ("text", "length")}
         out.update(inputs=inputs.astype(np.int32), targets=targets.astype(np.int32),
                    positions=pos, loss_weights=w)
         return out
@@ -167,15 +206,14 @@ class SplitInputsTargets(grain.transforms.Map):
 def transforms(eod_id: int, pad_id: int = -1, bos_id: int = -1, add_bos: bool = False,
                reset_attention_mask: bool = True, reset_position_ids: bool = True,
                eod_mask_loss: bool = False, add_extra_token: bool = True) -> list:
-    if pad_id >= 0 and pad_id in (eod_id, bos_id):
-        warnings.warn(f"pad_id {pad_id} equals the EOD/BOS id: padding is not masked "
-                      "(Megatron turns such a pad id into -1)")
-        pad_id = -1
+    """The record -> model-batch transforms; every pad rule lives here (`megatron_pad_id`
+    once, then `SplitInputsTargets`)."""
+    pad = megatron_pad_id(pad_id, eod_id, bos_id)
     out = []
     if add_bos and bos_id >= 0:
         out.append(AddBos(bos_id, eod_id))
-    out.append(GenerateDocSegmentIds(eod_id, reset_attention_mask, pad_id, add_extra_token))
-    out.append(SplitInputsTargets(eod_id, pad_id, eod_mask_loss, reset_position_ids,
+    out.append(GenerateDocSegmentIds(eod_id, reset_attention_mask, add_extra_token))
+    out.append(SplitInputsTargets(eod_id, pad, eod_mask_loss, reset_position_ids,
                                   add_extra_token))
     return out
 
@@ -188,7 +226,7 @@ def make_iterator(dataset, global_batch: int, ops: Sequence, process_index: int 
     """
     host = HostBatches(dataset, global_batch, process_index, process_count)
     if len(host) == 0:
-        raise ValueError(f"{len(dataset)} samples make no global batch of {global_batch}")
+        raise DataError(f"{len(dataset)} samples make no global batch of {global_batch}")
     ds = grain.MapDataset.source(host)
     for op in ops:
         ds = ds.map(op)
@@ -212,16 +250,19 @@ def split_sample_counts(config, num_devices: int) -> list[int]:
 
 def datasets_from_config(config, num_devices: int, splits: Sequence[str] = SPLITS) -> list:
     """[train, valid, test] (None where empty or not in `splits`) from Ling2's data settings."""
-    if not config.data_path:
-        raise ValueError("data_path is empty: set it to a .bin/.idx prefix or "
-                         "'w1 prefix1 w2 prefix2 ...'")
+    if not config.data_path and not config.blend_per_split:
+        raise DataError("data_path is empty: set it to a .bin/.idx prefix or "
+                        "'w1 prefix1 w2 prefix2 ...' (or set blend_per_split)")
     counts = split_sample_counts(config, num_devices)
     return build_splits(config.data_path, config.data_split, config.max_target_length,
                         counts, seed=config.data_seed,
                         add_extra_token=config.add_extra_token_to_sequence,
+                        drop_last_valid=config.drop_last_partial_validation_sequence,
                         cache_dir=config.blend_cache_dir or None,
-                        index_dir=config.blend_index_dir or None, pad_id=config.pad_id,
-                        splits=splits)
+                        index_dir=config.blend_index_dir or None, splits=splits,
+                        vocab_size=config.vocab_size,
+                        exact_sample_count=config.exact_sample_count,
+                        blend_per_split=config.blend_per_split or None)
 
 
 def make_data_iterator(config, num_devices: int, split: str = "train",
@@ -232,6 +273,11 @@ def make_data_iterator(config, num_devices: int, split: str = "train",
         import jax
         process_index, process_count = jax.process_index(), jax.process_count()
     gbs = config.global_batch_size(num_devices)
+    if gbs < 1:
+        raise DataError(
+            f"the global batch size is 0: per_device_batch_size={config.per_device_batch_size} "
+            f"x {num_devices} device(s) = {config.per_device_batch_size * num_devices} "
+            f"sequences per micro-batch, which rounds down to 0; raise per_device_batch_size")
     if config.dataset_type not in ("mmap", "synthetic"):
         raise ValueError(f"dataset_type {config.dataset_type!r}: want 'mmap' or 'synthetic'")
     if config.dataset_type == "synthetic":
@@ -243,7 +289,9 @@ def make_data_iterator(config, num_devices: int, split: str = "train",
         if dataset is None:
             dataset = datasets_from_config(config, num_devices, [split])[SPLITS.index(split)]
         if dataset is None:
-            raise ValueError(f"data_split {config.data_split!r} leaves the {split} split empty")
+            where = (f"blend_per_split has no {split} blend" if config.blend_per_split else
+                     f"data_split {config.data_split!r} leaves the {split} split empty")
+            raise DataError(where)
     ops = transforms(config.eod_id, config.pad_id, config.bos_id, config.add_bos,
                      config.reset_attention_mask, config.reset_position_ids,
                      config.eod_mask_loss, config.add_extra_token_to_sequence)

@@ -9,10 +9,7 @@ import json
 import numpy as np
 
 from ling2.data import pipeline
-
-
-class DataError(ValueError):
-    """Bad data input (missing file, malformed index, empty split, ...)."""
+from ling2.data.errors import DataError
 
 
 def resolve_data_path(data_path: str, find_file) -> str:
@@ -58,7 +55,9 @@ def make_iterator_factory(find_file):
 
     def make(cfg, split: str, num_devices: int) -> MicroBatches:
         if cfg.dataset_type == "mmap":
-            cfg = cfg.model_copy(update={"data_path": resolve_data_path(cfg.data_path, find_file)})
+            cfg = cfg.model_copy(update={
+                "data_path": resolve_data_path(cfg.data_path, find_file),
+                "blend_per_split": [resolve_data_path(p, find_file) for p in cfg.blend_per_split]})
         try:
             it = pipeline.make_data_iterator(cfg, num_devices, split)
         except (ValueError, OSError) as e:

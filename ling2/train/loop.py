@@ -124,11 +124,11 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
         dry_run(cfg, mesh, log)
         return RunResult({}, 0, run_dir, run_dir / "checkpoints", run_dir / "metrics.jsonl", 0, False)
 
+    train_iter = make_iter(cfg, "train", mesh.size)  # data errors before the model is built
     gd, tx, sched, abstract = abstract_state(cfg, mesh)
     log(f"model: {cfg.model_name}, {count_params(cfg)['total'] / 1e6:.2f}M params, "
         f"mesh {dict(mesh.shape)}")
     step_fn = step_lib.jit_train_step(gd, tx, cfg, sched)
-    train_iter = make_iter(cfg, "train", mesh.size)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg) if cfg.enable_checkpointing else None
     start = 0
     if ckpt is not None and ckpt.latest_step() is not None:

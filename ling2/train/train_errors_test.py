@@ -1,5 +1,6 @@
 """Trainer faults: one-line errors for bad config/data, shape-mismatched checkpoints, NaN steps, dry run."""
 
+import re
 import subprocess
 
 import jax
@@ -70,3 +71,44 @@ def test_consecutive_non_finite_steps_stop_with_last_good_checkpoint(tmp_path):
                  tensorboard=False, log=logs.append, devices=jax.devices()[:1])
     assert any("update skipped" in line for line in logs)
     assert max(e2e.saved_steps(tmp_path)) == 2  # skipped steps are never checkpointed
+
+
+def _bad_data(tmp_path, kind):
+    """A data_path (and overrides) that is wrong in one way; see test_data_errors_exit_2."""
+    from ling2.data.indexed import IndexedDataset, write_dataset
+    sample = IndexedDataset(str(find_file("data/sample/sample_text_document")))
+    docs = [[sample.get(i).astype(np.int64)] for i in range(len(sample))]
+    prefix = str(tmp_path / kind)
+    if kind == "negative_id":
+        for d in docs:
+            d[0][::50] = -1
+        write_dataset(prefix, docs, dtype=np.int32)
+    elif kind == "too_small":
+        write_dataset(prefix, [[[5, 6, 7, 2]], [[8, 9, 2]]], dtype=np.uint16)
+    elif kind == "truncated_bin":
+        write_dataset(prefix, docs[:20], dtype=np.uint16)
+        with open(prefix + ".bin", "r+b") as f:
+            f.truncate(f.seek(0, 2) - 10)
+    return [f"data_path={prefix}"]
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("negative_id", r"DataError: .*negative_id\.bin: token id -1 at sequence \d+ \(document \d+\), "
+                    r"token offset \d+ \(byte \d+\) is outside the vocabulary \[0, vocab_size=8192\)"),
+    ("too_small", r"DataError: .*too_small \(train split, sequences \[0, 2\)\): the split has 7 "
+                  r"tokens, too few for one sample of sequence length 32"),
+    ("truncated_bin", r"DataError: .*truncated_bin\.idx: sequence 19 .* spans bytes .*truncated_bin\.bin"),
+    ("zero_batch", r"DataError: .*the global batch size is 0: per_device_batch_size=0\.5"),
+])
+def test_data_errors_exit_2(tmp_path, kind, message):
+    """Bad data is one named DataError and exit 2, before the model is built (token ids when
+    their batch is read)."""
+    extra = ["per_device_batch_size=0.5"] if kind == "zero_batch" else _bad_data(tmp_path, kind)
+    r = subprocess.run(e2e.binary() + [f"--run_dir={tmp_path / 'run'}", "--notensorboard", "--",
+                                       *e2e.MICRO, "steps=3", *extra],
+                       env=e2e.env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert re.search(message, r.stderr), r.stderr
+    assert "Traceback" not in r.stderr
+    if kind != "negative_id":
+        assert "model:" not in r.stdout  # validated before building the model

@@ -1,14 +1,16 @@
 """Data pipeline benchmark: prints a table and writes JSON (ratios against targets).
 
 1. Random-access GPT sample reads (seq 4096 + 1 int32 tokens, `GPTDataset.samples` in
-   batches of 64, and one by one) over a synthetic `.bin` of random-length documents,
+   batches of 64 with every token id checked against the vocabulary as the trainer reads, and
+   one by one) over a synthetic `.bin` of random-length documents,
    against a raw sequential read of the same file in the same run (target >= 0.70); all
    from the page cache. A pass reads every sample once in random order (as many bytes as
    the raw read; --reads caps it); the first pass goes through a freshly opened mmap, so
    it pays the page faults, and the best of 3 shows the steady state. Raw reads (best of
    3, interleaved with the passes) use a 64 MiB buffer; a one-batch buffer (cache-resident,
    much faster) is shown too, and ratios per CPU second, which a busy shared host
-   disturbs less than wall time. One more pass reads through the numpy fallback (what runs
+   disturbs less than wall time. Passes without the token-id check are interleaved too (their
+   ratio is the check's cost). One more pass reads through the numpy fallback (what runs
    when the native gather, ling2/data/gather.c, is not built), for comparison.
 2. GPT index build (document/sample/shuffle) for T tokens in D documents: time and peak
    traced memory against the size of the output indices (target <= 2x).
@@ -35,6 +37,9 @@ from ling2.config.paths import user_path
 from ling2.data import gather, gpt_index, indexed, pipeline
 
 
+VOCAB = 150000  # make_bin's ids are below it
+
+
 def make_bin(prefix: str, n_tokens: int, mean_doc: int, seed: int = 0) -> None:
     """int32 tokens in documents of random length (mean `mean_doc`), written in chunks."""
     rng = np.random.default_rng(seed)
@@ -46,7 +51,7 @@ def make_bin(prefix: str, n_tokens: int, mean_doc: int, seed: int = 0) -> None:
         cut = np.searchsorted(np.cumsum(lens), n)
         lens = lens[: cut + 1]
         lens[-1] -= lens.sum() - n
-        b.add_documents(rng.integers(0, 150000, size=n, dtype=np.int32), lens[lens > 0])
+        b.add_documents(rng.integers(0, VOCAB, size=n, dtype=np.int32), lens[lens > 0])
         left -= n
     b.finalize(indexed.idx_path(prefix))
 
@@ -69,9 +74,10 @@ def bench_reads(workdir: str, mb: int, mean_doc: int, reads: int, seq: int,
             while f.readinto(buf):
                 pass
 
-    def random_reads():
+    def random_reads(ds=None):
+        ds = g if ds is None else ds
         for q in range(0, n, batch):
-            g.samples(order[q:q + batch], np.int32)
+            ds.samples(order[q:q + batch], np.int32)
 
     def single_reads():
         for i in order[: n // 16]:
@@ -79,14 +85,21 @@ def bench_reads(workdir: str, mb: int, mean_doc: int, reads: int, seq: int,
 
     big, small = bytearray(64 << 20), bytearray(batch * sample_bytes)
     raw_read(big)  # warm the page cache: every read below comes from memory
-    g = gpt_index.GPTDataset(indexed.IndexedDataset(prefix), "train", "1,0,0", seq)
+    # As the trainer reads: every token id checked against the vocabulary.
+    g = gpt_index.GPTDataset(indexed.IndexedDataset(prefix), "train", "1,0,0", seq,
+                             vocab_size=VOCAB)
+    unchecked = gpt_index.GPTDataset(g.dataset, "train", "1,0,0", seq)
     n = min(reads, len(g)) if reads else len(g)
     order = np.random.default_rng(1).permutation(len(g))[:n]
-    raw, raw_batch, passes = [], [], []
-    for _ in range(3):  # interleaved, so a busy shared host slows all three alike
+    raw, raw_batch, passes, plain = [], [], [], []
+    for i in range(3):  # interleaved, so a busy shared host slows all alike
         raw.append(timed(raw_read, big))
         raw_batch.append(timed(raw_read, small))
+        if i == 1:  # the checked and unchecked passes take turns going first
+            plain.append(timed(random_reads, unchecked))
         passes.append(timed(random_reads))  # the first pass also maps the mmap's pages
+        if i != 1:
+            plain.append(timed(random_reads, unchecked))
     single = (n // 16) * sample_bytes / timed(single_reads)
     native, gather.native = gather.native, lambda: None
     try:
@@ -95,6 +108,7 @@ def bench_reads(workdir: str, mb: int, mean_doc: int, reads: int, seq: int,
         gather.native = native
     raw, raw_batch = size / np.min(raw, axis=0), size / np.min(raw_batch, axis=0)
     first, best = n * sample_bytes / passes[0], n * sample_bytes / np.min(passes, axis=0)
+    best_plain = n * sample_bytes / np.min(plain, axis=0)
     return {"bin_bytes": size, "mean_doc_tokens": mean_doc, "samples_read": n,
             "batch": batch, "raw_sequential_GBps": raw[0] / 1e9,
             "raw_sequential_batch_buffer_GBps": raw_batch[0] / 1e9,
@@ -103,6 +117,9 @@ def bench_reads(workdir: str, mb: int, mean_doc: int, reads: int, seq: int,
             "random_samples_best_pass_GBps": best[0] / 1e9, "ratio_best_pass": best[0] / raw[0],
             "ratio_best_pass_cpu_time": best[1] / raw[1],
             "ratio_vs_batch_buffer": best[0] / raw_batch[0],
+            "unchecked_best_pass_GBps": best_plain[0] / 1e9,
+            "ratio_checked_vs_unchecked": best[0] / best_plain[0],
+            "ratio_checked_vs_unchecked_cpu_time": best[1] / best_plain[1],
             "random_single_getitem_GBps": single[0] / 1e9, "ratio_single": single[0] / raw[0],
             "reader": "native" if native() else "numpy",
             "numpy_fallback_GBps": fallback[0] / 1e9, "ratio_numpy_fallback": fallback[0] / raw[0],
@@ -192,6 +209,9 @@ def main(argv=None):
     print(f"{'  best of 3, vs raw read in one-batch chunks':<44}"
           f"{r['random_samples_best_pass_GBps']:>14.2f}"
           f"{r['raw_sequential_batch_buffer_GBps']:>14.2f}{r['ratio_vs_batch_buffer']:>8.2f}")
+    print(f"{'  best of 3 without the token-id check':<44}"
+          f"{r['unchecked_best_pass_GBps']:>14.2f}{r['random_samples_best_pass_GBps']:>14.2f}"
+          f"{1 / r['ratio_checked_vs_unchecked']:>8.2f}")
     print(f"{'  numpy fallback (no native gather), 1 pass':<44}{r['numpy_fallback_GBps']:>14.2f}"
           f"{r['raw_sequential_GBps']:>14.2f}{r['ratio_numpy_fallback']:>8.2f}")
     print(f"{'random sample reads, one by one (GB/s)':<44}"
