@@ -73,7 +73,13 @@ def abstract_state(cfg, mesh, seed: Optional[int] = None):
 
 
 def _with_shardings(tree, shardings):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    """`tree`'s ShapeDtypeStructs carrying `shardings` (a tree with one sharding per array of `tree`, in
+    order; Variables may be nodes or leaves there)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    sh = jax.tree.leaves(shardings)
+    if len(sh) != len(leaves):
+        raise ValueError(f"{len(sh)} shardings for {len(leaves)} arrays")
+    return treedef.unflatten([jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, sh)])
 
 
 def init_state(cfg, mesh, seed: Optional[int] = None):
