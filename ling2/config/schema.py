@@ -38,6 +38,9 @@ class Model(_Group):
     normalization_layer_epsilon: float = _f("RMSNorm epsilon of the decoder norms (HF rms_norm_eps).", gt=0)
     logits_via_embedding: bool = _f("Tie lm_head to the embedding (false for Ling2).")
     float32_logits: bool = _f("Compute the output logits in float32 (else in dtype).")
+    loss_vocab_blocks: NonNegativeInt = _f(
+        "Vocab blocks per tensor shard of the output-head cross-entropy (main loss, MTP, eval): the [B,T,V] logits "
+        "are never held and the backward recomputes each block (4/3 of the head's matmul FLOPs); 0: full logits.")
     enable_dropout: bool = _f("Dropout is not implemented (the reference has none): true with dropout_rate > 0 is an error.")
     dropout_rate: NonNegativeFloat = _f("Dropout rate; must stay 0 unless enable_dropout is false.")
     dtype: T.DType = _f("Activation/compute dtype.")

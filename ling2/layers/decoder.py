@@ -20,14 +20,14 @@ import numpy as np
 from flax import nnx
 
 from ling2.config import DecoderBlockType
-from ling2.layers import norms
+from ling2.layers import losses, norms
 from ling2.layers.attention_gla import GatedLinearAttention, layer_slopes
 from ling2.layers.attention_mla import MLA
 from ling2.layers.embed import Embed, LMHead
 from ling2.layers.moe import MoE
 from ling2.layers.moe_experts import Mlp
 from ling2.layers.plan import LayerSpec, layer_plan
-from ling2.layers.sharding import constrain
+from ling2.layers.sharding import constrain, dim_shards
 
 ACT = ("activation_batch", "activation_length", "activation_embed")
 
@@ -155,6 +155,7 @@ class Ling2Decoder(nnx.Module):
         self.logits_dtype = "float32" if cfg.float32_logits else cfg.dtype
         self.lm_head = None if self.tied else LMHead(cfg, rngs=rngs)
         self.num_heads = cfg.num_query_heads
+        self.loss_vocab_blocks, self.dtype, self.vocab_size = cfg.loss_vocab_blocks, cfg.dtype, cfg.vocab_size
 
     def _run(self, module, x, positions, segment_ids, valid, decays=None):
         """Applies a layer or group functionally, under the remat policy."""
@@ -205,6 +206,18 @@ class Ling2Decoder(nnx.Module):
     def logits(self, hidden_BTE):
         """Output logits [B, T, V] of final-normed hidden states."""
         return self.embed.attend(hidden_BTE, jnp.dtype(self.logits_dtype)) if self.tied else self.lm_head(hidden_BTE)
+
+    def ce_sums(self, hidden_BTE, targets_BT, weights_BT):
+        """(CE sum, weight sum, argmax-hit sum) of the output head over final-normed hidden states. With
+        cfg.loss_vocab_blocks > 0 the [B,T,V] logits are never held (`losses.head_cross_entropy_sums`);
+        with 0 they are the `logits` of this module."""
+        if not self.loss_vocab_blocks:
+            return losses.cross_entropy_sums(self.logits(hidden_BTE), targets_BT, weights_BT)
+        kernel = self.embed.embedding[...] if self.tied else self.lm_head.kernel[...]
+        return losses.head_cross_entropy_sums(
+            hidden_BTE, kernel, targets_BT, weights_BT, num_blocks=self.loss_vocab_blocks,
+            vocab_shards=dim_shards("vocab", self.vocab_size), compute_dtype=self.dtype,
+            logits_dtype=self.logits_dtype, tied=self.tied)
 
     def _head(self, x, aux, return_logits: bool = True) -> DecoderOutput:
         moe_aux = {i: a for i, a in sorted(aux.items()) if a is not None}

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from ling2.config import Config
-from ling2.layers import attention_gla, attention_mla, losses, moe
+from ling2.layers import attention_gla, attention_mla, moe
 from ling2.layers.decoder import DecoderOutput, build_decoder
 from ling2.layers.moe import bias_update
 from ling2.layers.moe_router import RoutedBias
@@ -54,18 +54,18 @@ class Ling2Model(nnx.Module):
         return self.decoder(ids_BT, positions_BT, segment_ids_BT, valid_BT)
 
     def loss_sums(self, ids_BT, targets_BT, loss_weights_BT, positions_BT, segment_ids_BT,
-                  valid_BT=None) -> LossSums:
-        """Loss sums of one batch; `valid_BT` (default segment_ids != 0) masks MoE statistics."""
+                  valid_BT=None, main_only: bool = False) -> LossSums:
+        """Loss sums of one batch (`main_only`: without MTP); `valid_BT` (default segment_ids != 0) masks MoE
+        statistics."""
         if valid_BT is None:
             valid_BT = segment_ids_BT != 0
-        out = self.decoder(ids_BT, positions_BT, segment_ids_BT, valid_BT)
-        ce, tokens, hits = losses.cross_entropy_sums(out.logits, targets_BT, loss_weights_BT)
+        d = self.decoder
+        out = d(ids_BT, positions_BT, segment_ids_BT, valid_BT, return_logits=False)
+        ce, tokens, hits = d.ce_sums(out.hidden, targets_BT, loss_weights_BT)
         moe_aux, mtp = dict(out.moe_aux), None
-        if self.mtp is not None:
+        if self.mtp is not None and not main_only:
             hidden = out.hidden_pre_norm if self.mtp_hidden_pre_norm else out.hidden
-            d = self.decoder
-            mtp = self.mtp(d.embed, d.lm_head, hidden, ids_BT, targets_BT, loss_weights_BT, positions_BT,
-                           segment_ids_BT, valid_BT)
+            mtp = self.mtp(d, hidden, ids_BT, targets_BT, loss_weights_BT, positions_BT, segment_ids_BT, valid_BT)
             moe_aux.update(mtp.moe_aux)
         return LossSums(ce, tokens, hits, mtp, moe_aux)
 

@@ -106,24 +106,23 @@ class MTPDepth(nnx.Module):
 
 
 class MTP(nnx.Module):
-    """cfg.mtp_num_layers next-n modules; the embedding and lm_head are the main model's."""
+    """cfg.mtp_num_layers next-n modules; the embedding and the output head are the main decoder's."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         if cfg.mtp_num_layers < 1:
-            raise ValueError("mtp_num_layers: MTP needs >= 1 layer (use build_mtp, which returns None for 0)")
+            raise ValueError("mtp_num_layers: MTP needs >= 1 layer (Ling2Model builds none for 0)")
         self.first_layer_idx = cfg.num_decoder_layers
         self.depths = nnx.List([MTPDepth(cfg, spec, rngs=rngs) for spec in layer_plan(cfg).mtp])
         self.pre_norm = cfg.mtp_hidden_pre_norm
         self.remat_policy = cfg.remat_policy
-        self.logits_dtype = "float32" if cfg.float32_logits else cfg.dtype
 
-    def __call__(self, embed, lm_head, hidden, ids_BT, targets_BT, loss_weights_BT, positions_BT, segment_ids_BT,
+    def __call__(self, decoder, hidden, ids_BT, targets_BT, loss_weights_BT, positions_BT, segment_ids_BT,
                  valid_BT=None, return_logits: bool = False) -> MTPOutput:
         """Runs every depth; returns per-depth loss sums.
 
         hidden: the main model's DecoderOutput (its `hidden`, or `hidden_pre_norm` with
           cfg.mtp_hidden_pre_norm, is used), or that [B,T,E] array chosen by the caller.
-        embed, lm_head: the main model's Embed and LMHead (lm_head None: tied, embed.attend).
+        decoder: the main Ling2Decoder, whose embedding and output head (`logits`, `ce_sums`) MTP shares.
         ids, targets, loss_weights, positions, segment_ids: the main model's [B,T] inputs
           (targets[t] is the token after ids[t]); valid_BT: optional MoE statistics mask.
         """
@@ -144,14 +143,14 @@ class MTP(nnx.Module):
             def f(state, emb, h, gdef=gdef):
                 return nnx.merge(gdef, state)(emb, h, positions_BT, segment_ids_BT, moe_valid)
 
-            y, y_normed, moe_aux[self.first_layer_idx + k - 1] = remat(f, self.remat_policy)(state, embed(ids_k), h)
+            emb = decoder.embed(ids_k)
+            y, y_normed, moe_aux[self.first_layer_idx + k - 1] = remat(f, self.remat_policy)(state, emb, h)
             h = y if self.pre_norm else y_normed
-            if lm_head is None:
-                logits = embed.attend(y_normed, jnp.dtype(self.logits_dtype))
+            if return_logits:
+                logits = decoder.logits(y_normed).astype(jnp.float32)
+                ce, count, correct = losses.cross_entropy_sums(logits, targets_k, w_k)
             else:
-                logits = lm_head(y_normed)
-            logits = logits.astype(jnp.float32)
-            ce, count, correct = losses.cross_entropy_sums(logits, targets_k, w_k)
+                ce, count, correct = decoder.ce_sums(y_normed, targets_k, w_k)
             sums.append(ce)
             counts.append(count)
             corrects.append(correct)

@@ -116,7 +116,7 @@ def _batch(V):
 def _forward(model, ids, targets, w, pos, seg, return_logits=True):
     out = model(ids, pos, seg)
     d = model.decoder
-    return out, model.mtp(d.embed, d.lm_head, out, ids, targets, w, pos, seg, return_logits=return_logits)
+    return out, model.mtp(d, out, ids, targets, w, pos, seg, return_logits=return_logits)
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +195,7 @@ def test_gradients_reach_shared_embedding_and_lm_head(setup):
     def grads(model):
         def loss(model):
             d = model.decoder
-            o = model.mtp(d.embed, d.lm_head, hidden, *map(jnp.asarray, (ids, targets, w, pos, seg)))
+            o = model.mtp(d, hidden, *map(jnp.asarray, (ids, targets, w, pos, seg)))
             return mtp_loss(o.ce_sum, o.ce_count, cfg.mtp_loss_scaling_factor)
         return nnx.grad(loss)(model)
 
@@ -219,7 +219,7 @@ def test_gradients_reach_shared_embedding_and_lm_head(setup):
 def test_pre_norm_option_feeds_hidden_before_final_norm(setup):
     _, model, batch, out, _ = setup
     args = tuple(map(jnp.asarray, batch))
-    run = nnx.jit(lambda model, o: model.mtp(model.decoder.embed, model.decoder.lm_head, o, *args).ce_sum)
+    run = nnx.jit(lambda model, o: model.mtp(model.decoder, o, *args).ce_sum)
     no_hidden = out._replace(hidden=jnp.zeros_like(out.hidden))
     no_pre = out._replace(hidden_pre_norm=jnp.zeros_like(out.hidden))
     assert np.abs(np.asarray(run(model, out) - run(model, no_hidden))).max() > 1e-3  # default: `hidden`
@@ -233,14 +233,16 @@ def test_pre_norm_option_feeds_hidden_before_final_norm(setup):
 
 
 def test_tied_head_uses_the_embedding(setup):
-    """lm_head None (logits_via_embedding) equals an untied head whose kernel is embedding^T."""
+    """A tied decoder (logits_via_embedding: no lm_head) equals an untied one whose kernel is embedding^T."""
     _, model, batch, out, _ = setup
     args = tuple(map(jnp.asarray, batch))
-    run = nnx.jit(lambda model, head: model.mtp(model.decoder.embed, head, out, *args).ce_sum)
-    untied = nnx.clone(model.decoder.lm_head)
-    untied.kernel[...] = model.decoder.embed.embedding[...].T
-    np.testing.assert_allclose(np.asarray(run(model, None)), np.asarray(run(model, untied)), rtol=1e-5)
-    assert np.abs(np.asarray(run(model, None) - run(model, model.decoder.lm_head))).max() > 1e-3
+    run = nnx.jit(lambda model, decoder: model.mtp(decoder, out, *args).ce_sum)
+    tied = nnx.clone(model.decoder)
+    tied.tied, tied.lm_head = True, None
+    untied = nnx.clone(model.decoder)
+    untied.lm_head.kernel[...] = model.decoder.embed.embedding[...].T
+    np.testing.assert_allclose(np.asarray(run(model, tied)), np.asarray(run(model, untied)), rtol=1e-5)
+    assert np.abs(np.asarray(run(model, tied) - run(model, model.decoder))).max() > 1e-3
 
 
 def test_no_mtp_is_the_plain_decoder_bit_for_bit():

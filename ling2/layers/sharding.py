@@ -53,6 +53,17 @@ def use_mesh(mesh: Mesh, rules):
         _ACTIVE.reset(token)
 
 
+def dim_shards(name: str, size: int) -> int:
+    """How many ways a dim of logical `name` and `size` is split inside `use_mesh`; 1 outside."""
+    active = _ACTIVE.get()
+    if active is None:
+        return 1
+    mesh, rules = active
+    axes = logical_to_spec((name,), (size,), rules, mesh)[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[a] for a in axes)
+
+
 def constrain(x, names):
     """with_sharding_constraint by logical names, inside `use_mesh`; identity outside."""
     active = _ACTIVE.get()

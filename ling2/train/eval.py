@@ -8,7 +8,6 @@ evaluation starts the validation iterator afresh, so every evaluation sees the s
 import jax
 from flax import nnx
 
-from ling2.layers import losses
 from ling2.train.runtime import to_global
 
 
@@ -21,9 +20,9 @@ class Evaluator:
         @jax.jit
         def ce(params, rest, mb):
             model = nnx.merge(graphdef, params, rest)
-            out = model(mb["inputs"], mb["positions"], mb["segment_ids"], mb["segment_ids"] != 0)
-            s, n, _ = losses.cross_entropy_sums(out.logits, mb["targets"], mb["loss_weights"])
-            return s, n
+            s = model.loss_sums(mb["inputs"], mb["targets"], mb["loss_weights"], mb["positions"], mb["segment_ids"],
+                                main_only=True)
+            return s.ce, s.tokens
 
         self._ce = ce
 

@@ -167,8 +167,8 @@ def test_mtp_loss_under_accumulation_follows_main_loss_rule(per_token):
         for i in range(M):
             mb = jax.tree.map(lambda x: x[i], micro)
             out = model.decoder(mb["inputs"], mb["positions"], mb["segment_ids"])
-            mo = model.mtp(model.decoder.embed, model.decoder.lm_head, out, mb["inputs"], mb["targets"],
-                           mb["loss_weights"], mb["positions"], mb["segment_ids"])
+            mo = model.mtp(model.decoder, out, mb["inputs"], mb["targets"], mb["loss_weights"], mb["positions"],
+                           mb["segment_ids"])
             means.append(float(mtp_loss(mo.ce_sum, mo.ce_count, 1.0)))
         np.testing.assert_allclose(float(m4["mtp_loss"]["depth_1"]), np.mean(means), rtol=1e-5)
     assert 0 <= float(m4["mtp_acceptance"]["depth_1"]) <= 1
