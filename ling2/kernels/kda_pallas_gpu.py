@@ -4,7 +4,7 @@ GPU programs run in parallel, so nothing is carried across grid steps: the grid 
 (B, H, V / BLOCK_V) and each program loops over the N chunks of its sequence with a fori_loop
 carrying its fp32 slice of the state (K x BLOCK_V). Output columns only need their own state
 columns; the intra-chunk quantities (Aqk, Akk, T = (I + Akk)^-1) do not depend on V and are
-recomputed by every V block. Per-chunk math in kda_pallas_chunk.
+recomputed by every V block. Per-chunk math in kda_chunk_math.
   forward: o and the final state (forward sweep).
   states:  the backward's forward sweep, writing the state entering every chunk [B, H, N, K, V].
   backward: reverse sweep carrying G = dL/d(state); dq, dk, dg and dbeta sum over all of V, so each
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ling2.kernels import kda_pallas_chunk as chunk
+from ling2.kernels import kda_chunk_math as chunk
 
 BLOCK_V = 64  # state columns per program
 
