@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from ling2.kernels import kda_chunked, kda_pallas_gpu, kda_pallas_tpu, kda_reference
-from ling2.kernels.gla import doc_index, prepare
+from ling2.kernels.gla import doc_index, prepare, vary_like
 
 BACKENDS = ("auto", "chunked", "pallas_tpu", "pallas_gpu", "naive")
 
@@ -66,7 +66,7 @@ def _kernels(backend, interpret):
 
 def _zero_state(q, v):
     acc = kda_reference.acc_dtype(q.dtype)
-    return jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), acc)
+    return vary_like(jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), acc), q)
 
 
 def _run_fwd(q, k, v, g, beta, doc, h0, scale, C, backend, interpret):
@@ -155,6 +155,7 @@ def kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None, scale=None, c
     else:
         if interpret is None:
             interpret = jax.default_backend() == "cpu"
+        h0 = None if h0 is None else vary_like(h0, q)
         o, hT = _kda(q, k, v, g, beta, doc, h0, scale, chunk_size, backend, bool(interpret))
     return (o, hT) if return_final_state else o
 

@@ -100,7 +100,8 @@ def intra(q, k, g, beta, same, scale, dots):
     i, j = _iota(C)
     qk = jnp.sum(q.astype(dots.acc) * k.astype(dots.acc), axis=1, keepdims=True)
     Aqk = jnp.where(i == j, scale * qk, 0.0)
-    T = dots.mask(i == j)
+    zero = jnp.zeros_like(Aqk)  # (like q: under shard_map the loop carries vary as q does)
+    T = jnp.where(i == j, 1.0, zero)
 
     def level(l, carry):
         Aqk, Akk0, T = carry
@@ -111,7 +112,7 @@ def intra(q, k, g, beta, same, scale, dots):
         T = T - dots.mid(dots.mid(T, beta * A), T)
         return Aqk + jnp.where(m, scale * dots.mid(qe, ke, tb=True), 0.0), Akk0 + A, T
 
-    Aqk, Akk0, T = jax.lax.fori_loop(0, len(levels(C)), level, (Aqk, jnp.zeros((C, C), dots.acc), T))
+    Aqk, Akk0, T = jax.lax.fori_loop(0, len(levels(C)), level, (Aqk, zero, T))
     return Aqk, Akk0, T
 
 

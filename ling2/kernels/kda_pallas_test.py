@@ -57,9 +57,8 @@ def _check(got, want, rtol):
 
 CASES = {
     # name: (T, K, V, chunk, gate range, dtype)
-    "segments_T_ragged": (45, 16, 16, 16, (-5.0, 0.0), jnp.float32),
-    "gate_at_-5_odd_dims": (40, 24, 40, 16, (-5.0, -4.9), jnp.float32),
-    "bf16": (33, 16, 32, 16, (-5.0, 0.0), jnp.bfloat16),
+    "fp32_T_ragged_odd_dims": (45, 24, 40, 16, (-5.0, 0.0), jnp.float32),
+    "bf16_gate_near_-5": (33, 16, 32, 16, (-5.0, -4.5), jnp.bfloat16),
 }
 
 
