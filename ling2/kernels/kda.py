@@ -9,12 +9,14 @@ segment. `kda` pads T to the chunk size, dispatches to a backend and wraps it in
 `jax.custom_vjp` whose backward is chunked too (it recomputes chunk states; nothing per token is
 stored beyond the inputs).
 
-Backends: "chunked" (pure JAX, kda_chunked), "pallas_tpu", "pallas_gpu" (Pallas kernels; on CPU
-they run with interpret=True), the oracle "naive" (per-token scan, autodiff), and "auto"
-(TPU -> pallas_tpu, GPU -> pallas_gpu, else chunked).
+Backends: "chunked" (pure JAX, kda_chunked), "pallas_tpu", "pallas_gpu" (Pallas kernels for the
+forward and the backward; on CPU they run with interpret=True), the oracle "naive" (per-token
+scan, autodiff), and "auto" (TPU -> pallas_tpu, GPU -> pallas_gpu, else chunked). All chunked
+backends run the same per-chunk math (kda_chunk_math).
 Numerics: the state and every accumulation are fp32 (fp64 for fp64 inputs); "chunked" computes
-in fp32 throughout. Per-key-dim decays are only ever exponentiated as sums of g over a span
-(never e^{-b}), so strong gates (-5 per token, -320 over a chunk of 64) stay finite.
+in fp32 throughout; with bf16 inputs the Pallas kernels feed data matmuls as bf16 (as fla does).
+Per-key-dim decays are only ever exponentiated as sums of g over a span (never e^{-b}), so strong
+gates (-5 per token, -320 over a chunk of 64, or unbounded) stay finite.
 """
 
 import functools

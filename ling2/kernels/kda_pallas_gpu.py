@@ -98,7 +98,8 @@ def _call(kernel, args, outs, kinds, BV, interpret, num_warps=4):
         if kind == "doc":
             return pl.BlockSpec((None, x.shape[1]), lambda b, h, j: (b, 0))
         if kind == "v":
-            return pl.BlockSpec((None, None) + x.shape[2:-1] + (BV,), lambda b, h, j: (b, h) + (0,) * (x.ndim - 3) + (j,))
+            return pl.BlockSpec((None, None) + x.shape[2:-1] + (BV,),
+                                lambda b, h, j: (b, h) + (0,) * (x.ndim - 3) + (j,))
         return pl.BlockSpec((None, None) + x.shape[2:], lambda b, h, j: (b, h) + (0,) * (x.ndim - 2))
 
     return pl.pallas_call(
