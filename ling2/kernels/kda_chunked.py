@@ -16,7 +16,7 @@ tensors kept; nothing per token is kept from the forward.
 import jax
 import jax.numpy as jnp
 
-from ling2.kernels import kda_chunk_math as math
+from ling2.kernels import kda_chunk_math as chunk
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -37,7 +37,7 @@ def _vmap3(f):
 
 
 def _prologue(chunks, scale, dots):
-    return _vmap3(lambda *a: math.prologue(*a, scale, dots))(*chunks)
+    return _vmap3(lambda *a: chunk.prologue(*a, scale, dots))(*chunks)
 
 
 def _lead(x):
@@ -46,7 +46,7 @@ def _lead(x):
 
 def _states(kw, p, h0, dots):
     """States entering each chunk [B, H, N, K, V] and the final state [B, H, K, V]."""
-    step1 = jax.vmap(jax.vmap(lambda S, kw, U, W, lam: math.state_step(S, kw, U, W, lam, dots)[1]))
+    step1 = jax.vmap(jax.vmap(lambda S, kw, U, W, lam: chunk.state_step(S, kw, U, W, lam, dots)[1]))
 
     def step(S, xs):
         return step1(S, *xs), S
@@ -57,12 +57,12 @@ def _states(kw, p, h0, dots):
 
 def forward(q, k, v, g, beta, aux, h0, scale, C):
     """Returns o [B, H, T, V] and the final state [B, H, K, V], in the accumulation dtype."""
-    dots = math.Dots(h0.dtype)
+    dots = chunk.Dots(h0.dtype)
     chunks = _per_chunk(*(x.astype(h0.dtype) for x in (q, k, v, g, beta)), aux, C)
     p = _prologue(chunks, scale, dots)
     qc, kc = chunks[:2]
     S, hT = _states(kc * p["omega"], p, h0, dots)
-    out = lambda q, alpha, Aqk, S, U, W: math.output(q, alpha, Aqk, S, U - dots.data(W, S), scale, dots)
+    out = lambda q, alpha, Aqk, S, U, W: chunk.output(q, alpha, Aqk, S, U - dots.data(W, S), scale, dots)
     o = _vmap3(out)(qc, p["alpha"], p["Aqk"], S, p["U"], p["W"])
     return o.reshape(v.shape), hT
 
@@ -70,7 +70,7 @@ def forward(q, k, v, g, beta, aux, h0, scale, C):
 def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C):
     """Returns dq, dk, dv, dg (layout of q, k, v, g), dbeta [B, H, T] and d h0, in the accumulation dtype."""
     acc = h0.dtype
-    dots = math.Dots(acc)
+    dots = chunk.Dots(acc)
     chunks = _per_chunk(*(x.astype(acc) for x in (q, k, v, g, beta)), aux, C, do.astype(acc))
     p = _prologue(chunks[:-1], scale, dots)
     qc, kc, doc_ = chunks[0], chunks[1], chunks[-1]
@@ -89,7 +89,7 @@ def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C):
     dh0, G = jax.lax.scan(step, dhT.astype(acc), (_lead(kw), _lead(p["W"]), _lead(p["lam"]), _lead(Vc)),
                           reverse=True)
     G = jnp.moveaxis(G, 0, 2)  # [B, H, N, K, V]
-    grads = _vmap3(lambda *a: math.backward(*a[:9], a[10], a[11], a[9], scale, dots, pre=a[12]))
+    grads = _vmap3(lambda *a: chunk.backward(*a[:9], a[10], a[11], a[9], scale, dots, pre=a[12]))
     dq, dk, dv, dg, dbeta, _ = grads(*chunks, S, G, p)
     B, H, T = beta.shape
     return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dg.reshape(g.shape),
