@@ -114,7 +114,7 @@ def _gla_bwd(scale, C, backend, interpret, res, cts):
 _gla.defvjp(_gla_fwd, _gla_bwd)
 
 
-def _vary_like(x, like):
+def vary_like(x, like):
     """Inside shard_map, mark x as varying over every mesh axis `like` varies over (so its
     cotangent, which does, type-checks; autodiff turns this into a psum). No-op elsewhere."""
     axes = getattr(jax.typeof(like), "manual_axis_type", None)
@@ -173,8 +173,8 @@ def simple_gla(q, k, v, g, *, segment_ids=None, initial_state=None, scale=None, 
     else:
         if interpret is None:
             interpret = jax.default_backend() == "cpu"
-        g = _vary_like(g, q)
-        h0 = None if h0 is None else _vary_like(h0, q)
+        g = vary_like(g, q)
+        h0 = None if h0 is None else vary_like(h0, q)
         o, hT = _gla(q, k, v, g, doc, h0, scale, chunk_size, backend, bool(interpret))
     return (o, hT) if return_final_state else o
 

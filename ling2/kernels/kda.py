@@ -1,0 +1,182 @@
+"""Kimi Delta Attention (KDA): gated delta rule with a per-key-dim forget gate, chunked, with packing.
+
+Recurrence (ling3.md fact 4; fla `chunk_kda`), per head, state S [K, V]:
+  S <- diag(exp(g_t)) S;   S <- S + k_t^T (beta_t (v_t - k_t S));   o_t = scale * q_t S,
+scale = K^-0.5 by default. q and k arrive L2-normalised (the layer does it); g <= 0 (the layer's
+gate, e.g. -5 * sigmoid(.) for the safe gate); beta in [0, 1]. With `segment_ids` the state
+restarts at every new segment (packed documents); the initial state belongs to the first
+segment. `kda` pads T to the chunk size, dispatches to a backend and wraps it in a
+`jax.custom_vjp` whose backward is chunked too (it recomputes chunk states; nothing per token is
+stored beyond the inputs).
+
+Backends: "chunked" (pure JAX, kda_chunked), "pallas_tpu", "pallas_gpu" (Pallas kernels for the
+forward and the backward; on CPU they run with interpret=True), the oracle "naive" (per-token
+scan, autodiff), and "auto" (TPU -> pallas_tpu, GPU -> pallas_gpu, else chunked). All chunked
+backends run the same per-chunk math (kda_chunk_math).
+Numerics: the state and every accumulation are fp32 (fp64 for fp64 inputs); "chunked" computes
+in fp32 throughout; with bf16 inputs the Pallas kernels feed data matmuls as bf16 (as fla does).
+Per-key-dim decays are only ever exponentiated as sums of g over a span (never e^{-b}), so strong
+gates (-5 per token, -320 over a chunk of 64, or unbounded) stay finite.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ling2.kernels import kda_chunked, kda_pallas_gpu, kda_pallas_tpu, kda_reference
+from ling2.kernels.gla import doc_index, prepare, vary_like
+
+BACKENDS = ("auto", "chunked", "pallas_tpu", "pallas_gpu", "naive")
+
+
+def resolve_backend(backend: str) -> str:
+    """Maps "auto" to the backend for the default JAX platform."""
+    if backend not in BACKENDS:
+        raise ValueError(f"kda backend={backend!r}: expected one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "chunked")
+
+
+def prepare_beta(beta_BTH, C):
+    """Pads T to a multiple of C with zeros and moves heads first: [B, T, H] -> [B, H, T']."""
+    return jnp.pad(beta_BTH, ((0, 0), (0, -beta_BTH.shape[1] % C), (0, 0))).swapaxes(1, 2)
+
+
+def prepare_docs(doc_BT, C):
+    """Per-token document facts [B, 1, T'] for the chunked kernels: doc (index, padding continues the
+    last document), first (token shares the document of the state entering its chunk), last (token
+    shares the document of its chunk's last token, so it reaches the state leaving the chunk)."""
+    B, T = doc_BT.shape
+    doc = jnp.pad(doc_BT, ((0, 0), (0, -T % C)), mode="edge")
+    N = doc.shape[1] // C
+    doc_c = doc.reshape(B, N, C)
+    doc_end = doc_c[..., -1:]
+    doc_before = jnp.concatenate([doc_c[:, :1, :1], doc_end[:, :-1]], axis=1)
+    flat = lambda x: x.reshape(B, 1, N * C)
+    return {"doc": flat(doc_c), "first": flat(doc_c == doc_before), "last": flat(doc_c == doc_end)}
+
+
+def _kernels(backend, interpret):
+    if backend == "chunked":
+        return kda_chunked.forward, kda_chunked.backward
+    mod = {"pallas_tpu": kda_pallas_tpu, "pallas_gpu": kda_pallas_gpu}[backend]
+    return (functools.partial(mod.forward, interpret=interpret),
+            functools.partial(mod.backward, interpret=interpret))
+
+
+def _zero_state(q, v):
+    acc = kda_reference.acc_dtype(q.dtype)
+    return vary_like(jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), acc), q)
+
+
+def _run_fwd(q, k, v, g, beta, doc, h0, scale, C, backend, interpret):
+    T = q.shape[1]
+    fwd, _ = _kernels(backend, interpret)
+    h0 = _zero_state(q, v) if h0 is None else h0
+    o, hT = fwd(prepare(q, C), prepare(k, C), prepare(v, C), prepare(g, C), prepare_beta(beta, C),
+                prepare_docs(doc, C), h0, scale, C)
+    return o.swapaxes(1, 2)[:, :T].astype(q.dtype), hT
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _kda(q, k, v, g, beta, doc, h0, scale, C, backend, interpret):
+    return _run_fwd(q, k, v, g, beta, doc, h0, scale, C, backend, interpret)
+
+
+def _kda_fwd(q, k, v, g, beta, doc, h0, scale, C, backend, interpret):
+    return _run_fwd(q, k, v, g, beta, doc, h0, scale, C, backend, interpret), (q, k, v, g, beta, doc, h0)
+
+
+def _kda_bwd(scale, C, backend, interpret, res, cts):
+    q, k, v, g, beta, doc, h0 = res
+    do, dhT = cts
+    T = q.shape[1]
+    _, bwd = _kernels(backend, interpret)
+    h0_or_zero = _zero_state(q, v) if h0 is None else h0
+    dq, dk, dv, dg, dbeta, dh0 = bwd(prepare(q, C), prepare(k, C), prepare(v, C), prepare(g, C),
+                                     prepare_beta(beta, C), prepare_docs(doc, C), h0_or_zero, prepare(do, C),
+                                     dhT, scale, C)
+    back = lambda x, like: x.swapaxes(1, 2)[:, :T].astype(like.dtype)
+    dh0 = None if h0 is None else dh0.astype(h0.dtype)
+    return back(dq, q), back(dk, k), back(dv, v), back(dg, g), back(dbeta, beta), None, dh0
+
+
+_kda.defvjp(_kda_fwd, _kda_bwd)
+
+
+def _check_chunk(C):
+    if C < 16 or C & (C - 1):
+        raise ValueError(f"kda: chunk_size={C} must be a power of two >= 16 (the chunk is halved level by level)")
+
+
+def kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None, scale=None, chunk_size=64, backend="auto",
+        return_final_state=False, interpret=None):
+    """Kimi Delta Attention over a sequence.
+
+    Args:
+      q, k: [B, T, H, K], L2-normalised over K; v: [B, T, H, V] (bf16 or fp32; accumulation is fp32).
+      g: [B, T, H, K] log forget gate <= 0, per key dim (computed in fp32).
+      beta: [B, T, H] write strength (sigmoid output).
+      segment_ids: optional [B, T] ints; the state resets wherever the id changes.
+      initial_state: optional [B, H, K, V] state entering the first segment.
+      scale: query scale, default K^-0.5.
+      chunk_size: tokens per chunk, a power of two >= 16.
+      backend: one of BACKENDS.
+      return_final_state: also return the state after the last token (fp32).
+      interpret: run Pallas kernels in interpret mode; default True on CPU.
+    Returns:
+      o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] fp32 if asked.
+    """
+    if q.ndim != 4 or k.shape != q.shape or v.ndim != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"kda: expected q, k [B,T,H,K] and v [B,T,H,V], got q{q.shape} k{k.shape} v{v.shape}")
+    B, T, H, K = q.shape
+    Vd = v.shape[-1]
+    if g.shape != q.shape:
+        raise ValueError(f"kda: g must be [B,T,H,K]={B, T, H, K}, got {g.shape}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"kda: beta must be [B,T,H]={B, T, H}, got {beta.shape}")
+    _check_chunk(chunk_size)
+    if segment_ids is None:
+        doc = jnp.zeros((B, T), jnp.int32)
+    elif segment_ids.shape != (B, T):
+        raise ValueError(f"kda: segment_ids must be [B,T]={B, T}, got {segment_ids.shape}")
+    else:
+        doc = doc_index(segment_ids)
+    if initial_state is not None and initial_state.shape != (B, H, K, Vd):
+        raise ValueError(f"kda: initial_state must be [B,H,K,V]={B, H, K, Vd}, got {initial_state.shape}")
+    acc = kda_reference.acc_dtype(q.dtype)
+    h0 = None if initial_state is None else initial_state.astype(acc)
+    g, beta = g.astype(acc), beta.astype(acc)
+    scale = K**-0.5 if scale is None else float(scale)
+    backend = resolve_backend(backend)
+    if backend == "naive":
+        o, hT = kda_reference.naive_recurrence(q, k, v, g, beta, doc, _zero_state(q, v) if h0 is None else h0, scale)
+        o = o.astype(q.dtype)
+    else:
+        if interpret is None:
+            interpret = jax.default_backend() == "cpu"
+        h0 = None if h0 is None else vary_like(h0, q)
+        o, hT = _kda(q, k, v, g, beta, doc, h0, scale, chunk_size, backend, bool(interpret))
+    return (o, hT) if return_final_state else o
+
+
+def kda_step(state, q_t, k_t, v_t, g_t, beta_t, *, scale=None, reset=None):
+    """One decode step of the same recurrence.
+
+    Args:
+      state: [B, H, K, V] fp32 state after the previous token.
+      q_t, k_t: [B, H, K] (L2-normalised); v_t: [B, H, V].
+      g_t: [B, H, K] log forget gate; beta_t: [B, H].
+      scale: default K^-0.5.
+      reset: optional [B] bool, start a new document at this token (drop the state).
+    Returns:
+      (o_t [B, H, V] in q_t's dtype, new state [B, H, K, V] fp32).
+    """
+    acc = kda_reference.acc_dtype(q_t.dtype)
+    scale = q_t.shape[-1]**-0.5 if scale is None else scale
+    reset = jnp.zeros(q_t.shape[:1], bool) if reset is None else reset
+    o_t, new = kda_reference.step(state.astype(acc), *(x.astype(acc) for x in (q_t, k_t, v_t, g_t, beta_t)), reset,
+                                  scale)
+    return o_t.astype(q_t.dtype), new

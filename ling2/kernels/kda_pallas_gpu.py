@@ -1,0 +1,159 @@
+"""Pallas GPU (Triton) kernels for chunked KDA.
+
+GPU programs run in parallel, so nothing is carried across grid steps: the grid is
+(B, H, V / BLOCK_V) and each program loops over the N chunks of its sequence with a fori_loop
+carrying its fp32 slice of the state (K x BLOCK_V). Output columns only need their own state
+columns; the intra-chunk quantities (Aqk, Akk, T = (I + Akk)^-1) do not depend on V and are
+recomputed by every V block. Per-chunk math in kda_chunk_math.
+  forward: o and the final state (forward sweep).
+  states:  the backward's forward sweep, writing the state entering every chunk [B, H, N, K, V].
+  backward: reverse sweep carrying G = dL/d(state); dq, dk, dg and dbeta sum over all of V, so each
+           V block writes a partial that is summed outside.
+Per-token scalars (beta, doc, first, last) are [.., T] fp32 vectors. Triton needs power-of-two
+block shapes: K and V are zero-padded up to one (exact: padded key dims have k = 0, g = 0) and
+the chunk size is a power of two >= 16.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from ling2.kernels import kda_chunk_math as chunk
+
+BLOCK_V = 64  # state columns per program
+
+
+def _dots(dt):
+    return chunk.Dots(dt, mid_low=jax.lax.Precision.HIGH)  # TF32 for the decay products and the inverse
+
+
+def _load(refs, n, C):
+    """Chunk n of the [T, D] refs and of the [T] vectors (as columns, plus the document row)."""
+    s = pl.ds(pl.multiple_of(n * C, C), C)
+    mats, (b_ref, doc_ref, f_ref, l_ref) = refs[:-4], refs[-4:]
+    doc = doc_ref[s]
+    cols = (b_ref[s][:, None], doc[:, None], doc[None, :], f_ref[s][:, None], l_ref[s][:, None])
+    return s, [r[s, :] for r in mats], cols
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, doc_ref, f_ref, l_ref, h0_ref, o_ref, hT_ref, *, scale, C, dt):
+    def body(n, S):
+        s, (q, k, v, g), cols = _load((q_ref, k_ref, v_ref, g_ref, b_ref, doc_ref, f_ref, l_ref), n, C)
+        o, S = chunk.forward(q, k, v, g, *cols, S, scale, _dots(dt))
+        o_ref[s, :] = o.astype(o_ref.dtype)
+        return S
+
+    hT_ref[...] = jax.lax.fori_loop(0, q_ref.shape[0] // C, body, h0_ref[...])
+
+
+def _states_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, doc_ref, f_ref, l_ref, h0_ref, Sin_ref, *, scale, C, dt):
+    def body(n, S):
+        _, (q, k, v, g), cols = _load((q_ref, k_ref, v_ref, g_ref, b_ref, doc_ref, f_ref, l_ref), n, C)
+        Sin_ref[n] = S
+        return chunk.forward(q, k, v, g, *cols, S, scale, _dots(dt))[1]
+
+    jax.lax.fori_loop(0, q_ref.shape[0] // C, body, h0_ref[...])
+
+
+def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, b_ref, doc_ref, f_ref, l_ref, Sin_ref, dhT_ref,
+                dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, *, scale, C, dt):
+    N = q_ref.shape[0] // C
+
+    def body(r, G):
+        n = N - 1 - r
+        s, (q, k, v, g, do), cols = _load((q_ref, k_ref, v_ref, g_ref, do_ref, b_ref, doc_ref, f_ref, l_ref), n, C)
+        dq, dk, dv, dg, dbeta, G = chunk.backward(q, k, v, g, *cols, Sin_ref[n], G, do, scale, _dots(dt))
+        dq_ref[s, :], dk_ref[s, :], dv_ref[s, :], dg_ref[s, :] = dq, dk, dv, dg
+        db_ref[s] = dbeta[:, 0]
+        return G
+
+    dh0_ref[...] = jax.lax.fori_loop(0, N, body, dhT_ref[...])
+
+
+def _pow2(n):
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _pad_last(x, d):
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
+
+
+def _pad_state(x, K, V):
+    return jnp.pad(x.astype(jnp.float32), [(0, 0)] * (x.ndim - 2) + [(0, K - x.shape[-2]), (0, V - x.shape[-1])])
+
+
+def _call(kernel, args, outs, kinds, BV, interpret, num_warps=4):
+    """Grid (B, H, V / BV). kinds[i] for each arg then output: "full" (whole per-head array), "doc" (a [B, T]
+    array shared by the heads), "v" (last dim split into V blocks of BV) or "part" (per-V-block partial sums,
+    leading axis)."""
+    B, H = args[0].shape[:2]
+    NV = args[2].shape[-1] // BV
+
+    def spec(x, kind):
+        if kind == "part":
+            return pl.BlockSpec((None, None, None) + x.shape[3:], lambda b, h, j: (j, b, h) + (0,) * (x.ndim - 3))
+        if kind == "doc":
+            return pl.BlockSpec((None, x.shape[1]), lambda b, h, j: (b, 0))
+        if kind == "v":
+            return pl.BlockSpec((None, None) + x.shape[2:-1] + (BV,),
+                                lambda b, h, j: (b, h) + (0,) * (x.ndim - 3) + (j,))
+        return pl.BlockSpec((None, None) + x.shape[2:], lambda b, h, j: (b, h) + (0,) * (x.ndim - 2))
+
+    return pl.pallas_call(
+        kernel, grid=(B, H, NV), in_specs=[spec(a, kd) for a, kd in zip(args, kinds)],
+        out_specs=[spec(o, kd) for o, kd in zip(outs, kinds[len(args):])], out_shape=outs, interpret=interpret,
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+    )(*args)
+
+
+def _check(C):
+    if C < 16 or C & (C - 1):
+        raise ValueError(f"pallas_gpu: chunk_size={C} must be a power of two >= 16 (Triton block shapes)")
+
+
+def _common(q, k, v, g, beta, aux, block_v):
+    B, H, T, K0 = q.shape
+    K, V = _pow2(K0), _pow2(v.shape[-1])
+    BV = min(V, block_v or BLOCK_V)
+    f32 = jnp.float32
+    vec = lambda x: x.astype(f32)[:, 0]  # [B, 1, T] -> [B, T]
+    qkvg = (_pad_last(q, K), _pad_last(k, K), _pad_last(v, V), _pad_last(g.astype(f32), K))
+    return qkvg, (beta.astype(f32),), (vec(aux["doc"]), vec(aux["first"]), vec(aux["last"])), K, V, BV
+
+
+def forward(q, k, v, g, beta, aux, h0, scale, C, *, interpret=False, block_v=None):
+    _check(C)
+    B, H, T, K0 = q.shape
+    V0 = v.shape[-1]
+    qkvg, bt, docs, K, V, BV = _common(q, k, v, g, beta, aux, block_v)
+    outs = [jax.ShapeDtypeStruct((B, H, T, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)]
+    kinds = ("full", "full", "v", "full", "full", "doc", "doc", "doc", "v", "v", "v")
+    o, hT = _call(functools.partial(_fwd_kernel, scale=scale, C=C, dt=q.dtype),
+                  qkvg + bt + docs + (_pad_state(h0, K, V),), outs, kinds, BV, interpret)
+    return o[..., :V0], hT[:, :, :K0, :V0].astype(h0.dtype)
+
+
+def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C, *, interpret=False, block_v=None):
+    """dq, dk, dg and dbeta are sums over V blocks of per-block partials (each block sees its slice of S, G)."""
+    _check(C)
+    B, H, T, K0 = q.shape
+    V0, N = v.shape[-1], T // C
+    f32 = jnp.float32
+    qkvg, bt, docs, K, V, BV = _common(q, k, v, g, beta, aux, block_v)
+    NV = V // BV
+    S_in = _call(functools.partial(_states_kernel, scale=scale, C=C, dt=q.dtype),
+                 qkvg + bt + docs + (_pad_state(h0, K, V),), [jax.ShapeDtypeStruct((B, H, N, K, V), f32)],
+                 ("full", "full", "v", "full", "full", "doc", "doc", "doc", "v", "v"), BV, interpret)[0]
+    part = lambda *shape: jax.ShapeDtypeStruct((NV, B, H) + shape, f32)
+    dq, dk, dv, dg, dbeta, dh0 = _call(
+        functools.partial(_bwd_kernel, scale=scale, C=C, dt=q.dtype),
+        qkvg + (_pad_last(do, V),) + bt + docs + (S_in, _pad_state(dhT, K, V)),
+        [part(T, K), part(T, K), jax.ShapeDtypeStruct((B, H, T, V), f32), part(T, K), part(T),
+         jax.ShapeDtypeStruct((B, H, K, V), f32)],
+        ("full", "full", "v", "full", "v", "full", "doc", "doc", "doc", "v", "v",
+         "part", "part", "v", "part", "part", "v"), BV, interpret)
+    dq, dk, dg, dbeta = (x.sum(0) for x in (dq, dk, dg, dbeta))
+    return dq[..., :K0], dk[..., :K0], dv[..., :V0], dg[..., :K0], dbeta, dh0[:, :, :K0, :V0]

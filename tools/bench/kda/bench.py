@@ -1,0 +1,162 @@
+"""Benchmark of the KDA kernels: prints a table and writes JSON.
+
+Default (CPU): the chunked form vs the naive per-token recurrence, B=1, H=4, K=V=128, fp32, gates as
+the safe gate makes them, forward and forward+backward, at T = 1K, 4K, 16K. Memory is XLA's plan for
+the compiled program (`memory_analysis()`): planned = arguments + outputs + temporaries, and the
+temporaries alone, whose growth with T shows what the backward keeps (chunk states for chunked, a
+K x V state per token for the naive scan's autodiff). A case planned above --mem_limit_gb is
+compiled but not run. Ratios are other / first backend's time from the same run.
+
+On an accelerator, e.g. `--backends pallas_gpu,chunked --dtype bfloat16 --batch 2 --heads 16 --ts 16384`.
+
+  bazel run //tools/bench/kda:bench -- [--ts 1024,4096,16384] [--backends chunked,naive] [--out FILE]
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ling2.config.paths import user_path
+from ling2.kernels import kda
+from tools.bench.memory import planned_bytes
+
+
+def _time(fn, args, repeats, slow_seconds=2.0):
+    """Median seconds of `repeats` runs of a compiled fn after a warm-up; a warm-up slower than
+    slow_seconds is the answer (one sample for very slow cases)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    if first > slow_seconds:
+        return first
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _fn(backend, mode):
+    fwd = lambda q, k, v, g, beta: kda.kda(q, k, v, g, beta, backend=backend)
+    if mode == "fwd":
+        return jax.jit(fwd)
+    loss = lambda *a: jnp.sum(fwd(*a).astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def _inputs(B, T, H, D, dtype):
+    """L2-normed q, k; v; the safe gate -5 sigmoid(.) in (-5, 0); beta = sigmoid(.)."""
+    r = np.random.default_rng(0)
+    l2 = lambda x: x / np.sqrt(np.sum(x * x, -1, keepdims=True) + 1e-6)
+    sig = lambda x: 1 / (1 + np.exp(-x))
+    q, k = (jnp.asarray(l2(r.standard_normal((B, T, H, D))), dtype) for _ in range(2))
+    v = jnp.asarray(r.standard_normal((B, T, H, D)), dtype)
+    g = jnp.asarray(-5 * sig(r.standard_normal((B, T, H, D)) - 3), jnp.float32)
+    beta = jnp.asarray(sig(r.standard_normal((B, T, H))), jnp.float32)
+    return q, k, v, g, beta
+
+
+def run(args):
+    rows = []
+    for T in args.ts:
+        ins = _inputs(args.batch, T, args.heads, args.dim, jnp.dtype(args.dtype))
+        for mode in ("fwd", "fwd+bwd"):
+            for backend in args.backends:
+                compiled = _fn(backend, mode).lower(*ins).compile()
+                mem = compiled.memory_analysis()
+                row = {"T": T, "mode": mode, "impl": backend}
+                if mem is not None:
+                    row.update(planned_mb=planned_bytes(mem) / 2**20, temp_mb=mem.temp_size_in_bytes / 2**20)
+                if mem is not None and planned_bytes(mem) > args.mem_limit_gb * 2**30:
+                    row["skipped"] = f"planned {planned_bytes(mem) / 2**30:.1f} GB > --mem_limit_gb {args.mem_limit_gb}"
+                else:
+                    row["seconds"] = _time(compiled, ins, args.repeats)
+                rows.append(row)
+                _print_row(row)
+    base = {(r["T"], r["mode"]): r.get("seconds") for r in rows if r["impl"] == args.backends[0]}
+    for r in rows:
+        if r.get("seconds") and base.get((r["T"], r["mode"])):
+            r[f"ratio_vs_{args.backends[0]}"] = r["seconds"] / base[(r["T"], r["mode"])]
+    return rows
+
+
+def memory_per_token(rows):
+    """Temporary MB per 1K tokens for each (impl, mode): flat when memory is linear in T."""
+    out = {}
+    for r in rows:
+        if "temp_mb" in r:
+            out.setdefault(f"{r['impl']} {r['mode']}", {})[r["T"]] = 1024 * r["temp_mb"] / r["T"]
+    for key, per_t in out.items():
+        print(f"{key:>20}: " + ", ".join(f"T={T}: {mb:.1f}" for T, mb in per_t.items()) + " MB temp per 1K tokens")
+    return out
+
+
+def train_step_rows(args):
+    """Hook for issue 19's other half of this benchmark: train-step tokens/s of ling3-small beside ling2-small in
+    the same run (tools/bench/step `bench(model_name, seq)` times one model's jitted gradient). To be filled in
+    with the Ling 3 configs; until then --step_models is refused."""
+    if args.step_models:
+        raise SystemExit(f"--step_models={args.step_models}: the train-step comparison is not wired in yet")
+    return []
+
+
+def _print_row(r):
+    t = f"{r['seconds'] * 1e3:10.1f} ms" if r.get("seconds") else f"{'-':>13}"
+    mem = f"{r['planned_mb']:9.1f} MB {r['temp_mb']:9.1f} MB" if "planned_mb" in r else f"{'':>26}"
+    print(f"{r['T']:>6} {r['mode']:>8} {r['impl']:>10} {t} {mem}  {r.get('skipped', '')}", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ts", default="1024,4096,16384", help="comma-separated sequence lengths")
+    p.add_argument("--backends", default="chunked,naive", help=f"comma-separated, from {kda.BACKENDS}")
+    p.add_argument("--dtype", default="float32", help="q, k, v dtype (float32 or bfloat16)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dim", type=int, default=128, help="K = V head dim")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--mem_limit_gb", type=float, default=4.0, help="skip cases planned above this")
+    p.add_argument("--step_models", default="", help="(hook, not yet available) models for the train-step rows")
+    p.add_argument("--out", default="", help="JSON path (default: tools/bench/kda/results_<platform>.json under "
+                   "the workspace with bazel run, else in the current directory)")
+    args = p.parse_args()
+    args.ts = [int(t) for t in args.ts.split(",")]
+    args.backends = args.backends.split(",")
+    for b in args.backends:
+        if b not in kda.BACKENDS:
+            p.error(f"--backends: {b!r} is not one of {kda.BACKENDS}")
+    if args.dtype not in ("float32", "bfloat16"):
+        p.error(f"--dtype={args.dtype!r}: expected float32 or bfloat16")
+    step_rows = train_step_rows(args)
+    print(f"{'T':>6} {'mode':>8} {'impl':>10} {'time':>13} {'planned':>12} {'temp':>12}")
+    rows = run(args)
+    print(f"\nratio = impl time / {args.backends[0]} time (same run):")
+    key = f"ratio_vs_{args.backends[0]}"
+    for r in rows:
+        if key in r and r["impl"] != args.backends[0]:
+            print(f"{r['T']:>6} {r['mode']:>8} {r['impl']:>10} {r[key]:8.2f}x")
+    print("\nmemory:")
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
+              "cpu_count": os.cpu_count(), "host": platform.processor() or platform.machine(),
+              "load_avg": os.getloadavg(), "jax": jax.__version__,
+              "shape": {"B": args.batch, "H": args.heads, "K": args.dim, "V": args.dim, "dtype": args.dtype},
+              "rows": rows, "temp_mb_per_1k_tokens": memory_per_token(rows), "train_step": step_rows}
+    name = f"results_{jax.default_backend()}.json"
+    ws = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
+    out = user_path(args.out) if args.out else (os.path.join(ws, "tools", "bench", "kda", name) if ws else name)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
