@@ -8,9 +8,12 @@ dispatches to a backend and wraps it in a `jax.custom_vjp` whose backward is chu
 (it recomputes chunk states; nothing per token is stored). The gate gradient comes from
 the identity dL/dB_i = q_i.dq_i - k_i.dk_i on the cumulative log-decay B.
 
-Backends: "chunked" (pure JAX), "pallas_tpu", "pallas_gpu" (Pallas kernels; on CPU they
-run with interpret=True), the oracles "naive" (per-token scan) and "quadratic" (T x T),
-and "auto" (TPU -> pallas_tpu, GPU -> pallas_gpu, else chunked).
+Backends: "chunked" (pure JAX), "pallas_tpu", "pallas_gpu" (Pallas kernels; interpreted when
+lowered for CPU), the oracles "naive" (per-token scan) and "quadratic" (T x T), and "auto"
+(TPU -> pallas_tpu, CUDA -> pallas_gpu, else chunked). "auto" and the interpret default are
+decided when the computation is lowered, for the platform it is lowered for
+(`jax.lax.platform_dependent`), not from the host's devices: compiling on a CPU host for a
+TPU topology builds the Mosaic kernels.
 Numerics: the state and every accumulation are fp32. "chunked" computes in fp32 throughout;
 with bf16 inputs the Pallas kernels feed the state and decayed scores to the matrix units as
 bf16 (as fla does), which costs about 2-3% of the largest gradient entry in rounding.
@@ -21,18 +24,20 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ling2.kernels import gla_chunked, gla_pallas_gpu, gla_pallas_tpu, gla_reference
+from ling2.kernels import gla_chunked, gla_pallas_gpu, gla_pallas_tpu, gla_reference, vma
 
 BACKENDS = ("auto", "chunked", "pallas_tpu", "pallas_gpu", "naive", "quadratic")
 
 
-def resolve_backend(backend: str) -> str:
-    """Maps "auto" to the backend for the default JAX platform."""
+def resolve_backend(backend: str, platform: str, chunk_size: int = 64) -> str:
+    """The backend `backend` runs as when lowered for `platform` ("cpu", "tpu", "cuda", ...)."""
     if backend not in BACKENDS:
         raise ValueError(f"gla backend={backend!r}: expected one of {BACKENDS}")
     if backend != "auto":
         return backend
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "chunked")
+    if platform == "cuda" and not gla_pallas_gpu.supports_chunk(chunk_size):
+        return "chunked"
+    return {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}.get(platform, "chunked")
 
 
 def doc_index(segment_ids):
@@ -72,15 +77,40 @@ def _kernels(backend, interpret):
             functools.partial(mod.backward, interpret=interpret))
 
 
+def _fixed(which, backend, interpret, scale, C):
+    """Kernel `which` (0 forward, 1 backward) of one backend on array arguments; outputs cast to
+    what every backend agrees on (o in q's dtype, everything else fp32)."""
+    kernel = _kernels(backend, interpret)[which]
+
+    def run(*args):
+        out = kernel(*args, scale, C)
+        if which == 0:
+            return out[0].astype(args[0].dtype), out[1].astype(jnp.float32)
+        return tuple(x.astype(jnp.float32) for x in out)
+
+    return run
+
+
+def _run_kernel(which, backend, interpret, scale, C, *args):
+    """Runs kernel `which` with "auto" and interpret=None decided per lowering platform."""
+    branch = functools.partial(_fixed, which, scale=scale, C=C)
+    if backend == "auto":
+        per = {p: branch(resolve_backend("auto", p, C), bool(interpret)) for p in ("tpu", "cuda")}
+        return jax.lax.platform_dependent(*args, default=branch(resolve_backend("auto", "cpu", C), False), **per)
+    if backend in ("pallas_tpu", "pallas_gpu") and interpret is None:
+        return jax.lax.platform_dependent(*args, cpu=branch(backend, True), default=branch(backend, False))
+    return branch(backend, interpret)(*args)
+
+
 def _zero_state(q, v):
     return jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
 
 
 def _run_fwd(q, k, v, g, doc, h0, scale, C, backend, interpret):
     T = q.shape[1]
-    fwd, _ = _kernels(backend, interpret)
     h0 = _zero_state(q, v) if h0 is None else h0
-    o, hT = fwd(prepare(q, C), prepare(k, C), prepare(v, C), prepare_aux(g, doc, C), h0, scale, C)
+    o, hT = _run_kernel(0, backend, interpret, scale, C,
+                        prepare(q, C), prepare(k, C), prepare(v, C), prepare_aux(g, doc, C), h0)
     return o.swapaxes(1, 2)[:, :T].astype(q.dtype), hT
 
 
@@ -98,10 +128,10 @@ def _gla_bwd(scale, C, backend, interpret, res, cts):
     q, k, v, g, doc, h0, hT = res
     do, dhT = cts
     T = q.shape[1]
-    _, bwd = _kernels(backend, interpret)
     qp, kp = prepare(q, C), prepare(k, C)
     h0_or_zero = _zero_state(q, v) if h0 is None else h0
-    dq, dk, dv, dh0 = bwd(qp, kp, prepare(v, C), prepare_aux(g, doc, C), h0_or_zero, prepare(do, C), dhT, scale, C)
+    dq, dk, dv, dh0 = _run_kernel(1, backend, interpret, scale, C, qp, kp, prepare(v, C), prepare_aux(g, doc, C),
+                                  h0_or_zero, prepare(do, C), dhT)
     f32 = jnp.float32
     db = jnp.sum(qp.astype(f32) * dq - kp.astype(f32) * dk, axis=-1)  # [B, H, T']
     db = db.at[..., -1].add(jnp.sum(dhT * hT, axis=(-2, -1)))
@@ -112,17 +142,6 @@ def _gla_bwd(scale, C, backend, interpret, res, cts):
 
 
 _gla.defvjp(_gla_fwd, _gla_bwd)
-
-
-def vary_like(x, like):
-    """Inside shard_map, mark x as varying over every mesh axis `like` varies over (so its
-    cotangent, which does, type-checks; autodiff turns this into a psum). No-op elsewhere."""
-    axes = getattr(jax.typeof(like), "manual_axis_type", None)
-    have = getattr(jax.typeof(x), "manual_axis_type", None)
-    if axes is None or have is None:
-        return x
-    extra = tuple(sorted(axes.varying - have.varying))
-    return jax.lax.pcast(x, extra, to="varying") if extra else x
 
 
 def simple_gla(q, k, v, g, *, segment_ids=None, initial_state=None, scale=None, chunk_size=64,
@@ -136,9 +155,10 @@ def simple_gla(q, k, v, g, *, segment_ids=None, initial_state=None, scale=None, 
       initial_state: optional [B, H, K, V] state entering the first segment.
       scale: query scale, default K^-0.5.
       chunk_size: tokens per chunk (a multiple of 8).
-      backend: one of BACKENDS.
+      backend: one of BACKENDS ("auto": chosen for the platform the computation is lowered for).
       return_final_state: also return the fp32 state after the last token.
-      interpret: run Pallas kernels in interpret mode; default True on CPU.
+      interpret: run Pallas kernels in interpret mode; default (None): interpreted when lowered for
+        CPU, compiled otherwise.
     Returns:
       o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] fp32 if asked.
     """
@@ -165,17 +185,16 @@ def simple_gla(q, k, v, g, *, segment_ids=None, initial_state=None, scale=None, 
     else:
         h0 = initial_state
     scale = K**-0.5 if scale is None else float(scale)
-    backend = resolve_backend(backend)
+    if backend not in BACKENDS:
+        raise ValueError(f"gla backend={backend!r}: expected one of {BACKENDS}")
     if backend in ("naive", "quadratic"):
         oracle = gla_reference.naive_recurrence if backend == "naive" else gla_reference.quadratic
         o, hT = oracle(q, k, v, g, doc, _zero_state(q, v) if h0 is None else h0, scale)
         o = o.astype(q.dtype)
     else:
-        if interpret is None:
-            interpret = jax.default_backend() == "cpu"
-        g = vary_like(g, q)
-        h0 = None if h0 is None else vary_like(h0, q)
-        o, hT = _gla(q, k, v, g, doc, h0, scale, chunk_size, backend, bool(interpret))
+        g = vma.vary_like(g, q)
+        h0 = None if h0 is None else vma.vary_like(h0, q)
+        o, hT = _gla(q, k, v, g, doc, h0, scale, chunk_size, backend, None if interpret is None else bool(interpret))
     return (o, hT) if return_final_state else o
 
 

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from ling2.kernels import vma
+
 _HI = jax.lax.Precision.HIGHEST
 BLOCK_V = 64  # state columns per program
 
@@ -119,8 +121,13 @@ def _call(kernel, args, outs, kinds, BV, interpret, num_warps=4):
     )(*args)
 
 
+def supports_chunk(C):
+    """Triton block shapes: the chunk must be a power of two >= 16."""
+    return C >= 16 and C & (C - 1) == 0
+
+
 def _check(C):
-    if C < 16 or C & (C - 1):
+    if not supports_chunk(C):
         raise ValueError(f"pallas_gpu: chunk_size={C} must be a power of two >= 16 (Triton block shapes)")
 
 
@@ -132,7 +139,7 @@ def forward(q, k, v, aux, h0, scale, C, *, interpret=False, block_v=None):
     BV = min(V, block_v or BLOCK_V)
     aux4 = (aux["b"], aux["doc"].astype(jnp.float32), aux["alpha"], aux["w"])
     args = (_pad_last(q, K), _pad_last(k, K), _pad_last(v, V)) + aux4 + (_pad_state(h0, K, V),)
-    outs = [jax.ShapeDtypeStruct((B, H, T, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)]
+    outs = [vma.out_struct((B, H, T, V), q.dtype, q), vma.out_struct((B, H, K, V), jnp.float32, q)]
     kinds = ("full", "full", "v") + ("full",) * 4 + ("v", "v", "v")
     o, hT = _call(functools.partial(_fwd_kernel, scale=scale, C=C), args, outs, kinds, BV, interpret)
     return o[..., :V0], hT[:, :, :K0, :V0]
@@ -150,12 +157,12 @@ def backward(q, k, v, aux, h0, do, dhT, scale, C, *, interpret=False, block_v=No
     aux4 = (aux["b"], aux["doc"].astype(f32), aux["alpha"], aux["w"])
     qkvdo = (_pad_last(q, K), _pad_last(k, K), _pad_last(v, V), _pad_last(do, V))
     kinds_in = ("full", "full", "v", "v") + ("full",) * 4 + ("v",)
-    part = jax.ShapeDtypeStruct((NV, B, H, T, K), f32)
+    part = vma.out_struct((NV, B, H, T, K), f32, q)
     (dq,) = _call(functools.partial(_dq_kernel, scale=scale, C=C), qkvdo + aux4 + (_pad_state(h0, K, V),),
                   [part], kinds_in + ("part",), BV, interpret)
     dk, dv, dh0 = _call(
         functools.partial(_dkdv_kernel, scale=scale, C=C), qkvdo + aux4 + (_pad_state(dhT, K, V),),
-        [part, jax.ShapeDtypeStruct((B, H, T, V), f32), jax.ShapeDtypeStruct((B, H, K, V), f32)],
+        [part, vma.out_struct((B, H, T, V), f32, q), vma.out_struct((B, H, K, V), f32, q)],
         kinds_in + ("part", "v", "v"), BV, interpret)
     dq, dk = dq.sum(0), dk.sum(0)
     return dq[..., :K0], dk[..., :K0], dv[..., :V0], dh0[:, :, :K0, :V0]

@@ -86,10 +86,13 @@ def test_pallas_gpu_rejects_non_power_of_two_chunk():
 
 
 @pytest.mark.parametrize("backend, platform, marker", [("pallas_gpu", "cuda", "triton"),
-                                                       ("pallas_tpu", "tpu", "tpu_custom_call")])
+                                                       ("pallas_tpu", "tpu", "tpu_custom_call"),
+                                                       ("auto", "cuda", "triton"),
+                                                       ("auto", "tpu", "tpu_custom_call")])
 @pytest.mark.parametrize("T, D, dtype", [(1088, 128, jnp.bfloat16), (100, 24, jnp.float32)])
 def test_kernels_lower_for_real_hardware(backend, platform, marker, T, D, dtype):
-    """Without interpret mode, forward and backward lower through Triton / Mosaic to three kernel calls."""
+    """Without interpret mode, forward and backward lower through Triton / Mosaic to three kernel calls;
+    "auto" picks the kernel of the platform lowered for, here on a CPU host."""
 
     def loss(q, k, v, g, seg):
         o = gla.simple_gla(q, k, v, g, segment_ids=seg, backend=backend, interpret=False)
@@ -100,3 +103,15 @@ def test_kernels_lower_for_real_hardware(backend, platform, marker, T, D, dtype)
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     text = grad.trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert text.count(marker) == 3  # forward, dq sweep, dk/dv reverse sweep
+
+
+def test_auto_runs_the_chunked_backend_on_cpu():
+    """Bit for bit the chunked backend's values and gradients (interpreted Pallas rounds differently)."""
+    r = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(r.standard_normal((B, 50, H, 24)), jnp.float32) for _ in range(3))
+    g, h0 = -jnp.asarray([0.3, 2.0]), jnp.asarray(r.standard_normal((B, H, 24, 24)), jnp.float32)
+    seg = jnp.asarray([[0] * 20 + [1] * 30])
+    auto = _value_and_grads(q, k, v, g, h0, seg, "auto", 16)
+    chunked = _value_and_grads(q, k, v, g, h0, seg, "chunked", 16)
+    for a, b in zip(auto, chunked):
+        np.testing.assert_array_equal(a, b)

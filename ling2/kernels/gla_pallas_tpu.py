@@ -5,8 +5,10 @@ the fp32 state (K x V) lives in a VMEM scratch and is carried from chunk to chun
   forward: o and the final state, sweeping chunks forward.
   dq:      forward sweep again (recomputing the states), nothing stored from the forward.
   dk, dv:  reverse sweep (index maps read chunk N-1-n), carrying G = dL/d(state).
-Per-token factors come as separate arrays so the kernel needs no lane slicing or transpose:
-columns [B, H, T, 1] (b, doc, alpha, w) and rows [B, H, N, 1, C] (b, doc).
+The per-token fp32 factors (b, doc, alpha, w) of a chunk come as one lane-dense tile: rows of
+[B, H, N, 8, C] (4 zero rows pad it to the 8 sublanes of a vreg). The kernel transposes the
+tile for the column views it needs. (A [B, H, T, 1] column would be padded to 128 lanes in
+HBM: 128x the bytes of the factor and of its reads.)
 Math as in gla_chunked; D_ij = e^{b_i - b_j} masked (before exp) to j <= i, same document.
 """
 
@@ -16,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from ling2.kernels import vma
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -28,10 +32,14 @@ def _dot(a, b, dt, ta=False, tb=False):
     return jax.lax.dot_general(a.astype(dt), b.astype(dt), dims, precision=prec, preferred_element_type=jnp.float32)
 
 
-def _factors(fac_refs, scale):
-    """Per-chunk factors: scaled masked decay D [C, C], alpha and w columns [C, 1], lam [1, 1]."""
-    b_col, doc_col, alpha, w, b_row, doc_row = (r[...] for r in fac_refs)
-    C = b_col.shape[0]
+def _factors(fac_ref, scale):
+    """Per-chunk factors from the [8, C] tile: scaled masked decay D [C, C], alpha and w columns
+    [C, 1], lam [1, 1]."""
+    rows = fac_ref[...]
+    cols = rows.T  # [C, 8]
+    b_col, doc_col, alpha, w = (cols[:, i:i + 1] for i in range(4))
+    b_row, doc_row = rows[0:1, :], rows[1:2, :]
+    C = rows.shape[1]
     i = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
     mask = (i >= j) & (doc_col == doc_row)
@@ -41,7 +49,7 @@ def _factors(fac_refs, scale):
     return D, alpha, w, lam
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, bc, dc, ac, wc, br, dr, h0_ref, o_ref, hT_ref, S_ref, *, scale):
+def _fwd_kernel(q_ref, k_ref, v_ref, fac_ref, h0_ref, o_ref, hT_ref, S_ref, *, scale):
     n = pl.program_id(2)
 
     @pl.when(n == 0)
@@ -49,7 +57,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, bc, dc, ac, wc, br, dr, h0_ref, o_ref, hT_r
         S_ref[...] = h0_ref[...]
 
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
-    D, alpha, w, lam = _factors((bc, dc, ac, wc, br, dr), scale)
+    D, alpha, w, lam = _factors(fac_ref, scale)
     dt = q_ref.dtype
     S = S_ref[...]
     A = _dot(q, k, dt, tb=True) * D
@@ -63,13 +71,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, bc, dc, ac, wc, br, dr, h0_ref, o_ref, hT_r
         hT_ref[...] = S
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, bc, dc, ac, wc, br, dr, h0_ref, dq_ref, S_ref, *, scale):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, fac_ref, h0_ref, dq_ref, S_ref, *, scale):
     @pl.when(pl.program_id(2) == 0)
     def _():
         S_ref[...] = h0_ref[...]
 
     k, v, do = k_ref[...], v_ref[...], do_ref[...]
-    D, alpha, w, lam = _factors((bc, dc, ac, wc, br, dr), scale)
+    D, alpha, w, lam = _factors(fac_ref, scale)
     dt = q_ref.dtype
     S = S_ref[...]
     dA = _dot(do, v, dt, tb=True) * D
@@ -77,8 +85,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, bc, dc, ac, wc, br, dr, h0_ref, dq_r
     S_ref[...] = lam * S + _dot(k * w, v, dt, ta=True)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, bc, dc, ac, wc, br, dr, dhT_ref, dk_ref, dv_ref, dh0_ref, G_ref,
-                 *, scale):
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, fac_ref, dhT_ref, dk_ref, dv_ref, dh0_ref, G_ref, *, scale):
     n = pl.program_id(2)
 
     @pl.when(n == 0)
@@ -86,7 +93,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, bc, dc, ac, wc, br, dr, dhT_ref, d
         G_ref[...] = dhT_ref[...]
 
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    D, alpha, w, lam = _factors((bc, dc, ac, wc, br, dr), scale)
+    D, alpha, w, lam = _factors(fac_ref, scale)
     dt = q_ref.dtype
     G = G_ref[...]
     A = _dot(q, k, dt, tb=True) * D
@@ -101,28 +108,35 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, bc, dc, ac, wc, br, dr, dhT_ref, d
         dh0_ref[...] = G
 
 
-def _layouts(aux, C):
-    """(b, doc, alpha, w) as columns [B, H, T, 1], then (b, doc) as rows [B, H, N, 1, C], all fp32."""
+def _factor_tiles(aux, C):
+    """(b, doc, alpha, w) [B, H, T] -> one fp32 tile per chunk [B, H, N, 8, C], rows 4..7 zero."""
     B, H, T = aux["b"].shape
-    f = {name: aux[name].astype(jnp.float32) for name in ("b", "doc", "alpha", "w")}
-    cols = tuple(f[name][..., None] for name in ("b", "doc", "alpha", "w"))
-    rows = tuple(f[name].reshape(B, H, T // C, 1, C) for name in ("b", "doc"))
-    return cols + rows
+    rows = [aux[name].astype(jnp.float32).reshape(B, H, T // C, 1, C) for name in ("b", "doc", "alpha", "w")]
+    return jnp.concatenate(rows + [jnp.zeros((B, H, T // C, 4, C), jnp.float32)], axis=3)
 
 
 def _specs(C, K, V, N, reverse=False):
-    """Block specs: per-chunk token blocks (read backwards for the reverse sweep), rows, state."""
+    """Block specs: per-chunk token blocks (read backwards for the reverse sweep), factor tile, state."""
     fix = (lambda n: N - 1 - n) if reverse else (lambda n: n)
 
     def tok(d):
         return pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, fix(n), 0))
 
-    row = pl.BlockSpec((None, None, None, 1, C), lambda b, h, n: (b, h, fix(n), 0, 0))
+    fac = pl.BlockSpec((None, None, None, 8, C), lambda b, h, n: (b, h, fix(n), 0, 0))
     state = pl.BlockSpec((None, None, K, V), lambda b, h, n: (b, h, 0, 0))
-    return tok, [tok(1)] * 4 + [row] * 2, state
+    return tok, fac, state
 
 
-def _call(kernel, args, in_specs, out_specs, out_shape, grid, K, V, interpret):
+def _cost(matmul_flops_per_chunk, args, out_shape, B, H, N, C):
+    """XLA's cost analysis counts a Mosaic call as free unless told: FLOPs of the chunk matmuls,
+    one exp per decay entry, and every operand and result read or written once."""
+    nbytes = lambda x: x.size * jnp.dtype(x.dtype).itemsize
+    outs = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
+    return pl.CostEstimate(flops=int(B * H * N * matmul_flops_per_chunk), transcendentals=int(B * H * N * C * C),
+                           bytes_accessed=int(sum(nbytes(x) for x in list(args) + list(outs))))
+
+
+def _call(kernel, name, flops_per_chunk, args, in_specs, out_specs, out_shape, grid, C, K, V, interpret):
     return pl.pallas_call(
         kernel,
         grid=grid,
@@ -132,42 +146,44 @@ def _call(kernel, args, in_specs, out_specs, out_shape, grid, K, V, interpret):
         scratch_shapes=[pltpu.VMEM((K, V), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
+        name=name,
+        cost_estimate=_cost(flops_per_chunk, args, out_shape, *grid, C),
     )(*args)
 
 
 def forward(q, k, v, aux, h0, scale, C, *, interpret=False):
     B, H, T, K = q.shape
     V = v.shape[-1]
-    tok, fac, state = _specs(C, K, V, T // C)
-    fac_args = _layouts(aux, C)
+    tok, fac_spec, state = _specs(C, K, V, T // C)
+    fac = _factor_tiles(aux, C)
     return _call(
-        functools.partial(_fwd_kernel, scale=scale),
-        (q, k, v, *fac_args, h0.astype(jnp.float32)),
-        [tok(K), tok(K), tok(V), *fac, state],
+        functools.partial(_fwd_kernel, scale=scale), "ling2_gla_fwd", 2 * C * C * (K + V) + 4 * C * K * V,
+        (q, k, v, fac, h0.astype(jnp.float32)),
+        [tok(K), tok(K), tok(V), fac_spec, state],
         [tok(V), state],
-        [jax.ShapeDtypeStruct((B, H, T, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)],
-        (B, H, T // C), K, V, interpret)
+        [vma.out_struct((B, H, T, V), q.dtype, q), vma.out_struct((B, H, K, V), jnp.float32, q)],
+        (B, H, T // C), C, K, V, interpret)
 
 
 def backward(q, k, v, aux, h0, do, dhT, scale, C, *, interpret=False):
     B, H, T, K = q.shape
     V = v.shape[-1]
-    fac_args = _layouts(aux, C)
+    fac = _factor_tiles(aux, C)
     f32 = jnp.float32
-    tok, fac, state = _specs(C, K, V, T // C)
+    tok, fac_spec, state = _specs(C, K, V, T // C)
     dq = _call(
-        functools.partial(_dq_kernel, scale=scale),
-        (q, k, v, do, *fac_args, h0.astype(f32)),
-        [tok(K), tok(K), tok(V), tok(V), *fac, state],
-        tok(K), jax.ShapeDtypeStruct((B, H, T, K), f32),
-        (B, H, T // C), K, V, interpret)
-    tok, fac, state = _specs(C, K, V, T // C, reverse=True)
+        functools.partial(_dq_kernel, scale=scale), "ling2_gla_dq", 2 * C * C * (K + V) + 4 * C * K * V,
+        (q, k, v, do, fac, h0.astype(f32)),
+        [tok(K), tok(K), tok(V), tok(V), fac_spec, state],
+        tok(K), vma.out_struct((B, H, T, K), f32, q),
+        (B, H, T // C), C, K, V, interpret)
+    tok, fac_spec, state = _specs(C, K, V, T // C, reverse=True)
     dk, dv, dh0 = _call(
-        functools.partial(_dkdv_kernel, scale=scale),
-        (q, k, v, do, *fac_args, dhT.astype(f32)),
-        [tok(K), tok(K), tok(V), tok(V), *fac, state],
+        functools.partial(_dkdv_kernel, scale=scale), "ling2_gla_dkdv", 4 * C * C * (K + V) + 6 * C * K * V,
+        (q, k, v, do, fac, dhT.astype(f32)),
+        [tok(K), tok(K), tok(V), tok(V), fac_spec, state],
         [tok(K), tok(V), state],
-        [jax.ShapeDtypeStruct((B, H, T, K), f32), jax.ShapeDtypeStruct((B, H, T, V), f32),
-         jax.ShapeDtypeStruct((B, H, K, V), f32)],
-        (B, H, T // C), K, V, interpret)
+        [vma.out_struct((B, H, T, K), f32, q), vma.out_struct((B, H, T, V), f32, q),
+         vma.out_struct((B, H, K, V), f32, q)],
+        (B, H, T // C), C, K, V, interpret)
     return dq, dk, dv, dh0

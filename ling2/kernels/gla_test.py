@@ -145,8 +145,13 @@ def test_packing_isolation(backend):
     assert not np.allclose(leaky[:, cut:], second, atol=1e-3)  # without ids the second doc does see the first
 
 
-def test_auto_is_chunked_on_cpu():
-    assert gla.resolve_backend("auto") == "chunked"
+def test_auto_backend_per_platform():
+    assert [gla.resolve_backend("auto", p) for p in ("cpu", "tpu", "cuda", "rocm")] == [
+        "chunked", "pallas_tpu", "pallas_gpu", "chunked"]
+    assert gla.resolve_backend("auto", "cuda", chunk_size=24) == "chunked"  # Triton needs a power of two
+    assert gla.resolve_backend("naive", "tpu") == "naive"
+    with pytest.raises(ValueError, match="backend='flash'"):
+        gla.resolve_backend("flash", "cpu")
 
 
 def test_bad_input_errors():

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from ling2.kernels import kda_chunked, kda_pallas_gpu, kda_pallas_tpu, kda_reference
-from ling2.kernels.gla import doc_index, prepare, vary_like
+from ling2.kernels.gla import doc_index, prepare
+from ling2.kernels.vma import vary_like
 
 BACKENDS = ("auto", "chunked", "pallas_tpu", "pallas_gpu", "naive")
 

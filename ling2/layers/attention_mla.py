@@ -12,8 +12,8 @@ other). Backends (cfg.attention_kernel): "dot_product" (plain einsum, the refere
 "blocked" (the same einsums per query block over only the keys up to the block's end: the
 causal half of the work and of the [T, S] buffers; the default, and the CPU choice),
 "cudnn" (jax.nn.dot_product_attention: cuDNN flash on GPU, XLA elsewhere), "flash"
-(Pallas splash attention on TPU; interpret mode elsewhere, for tests only; decode with a
-cache uses the plain path). Decode keeps a latent KV cache: normed c_kv and rotated k_rope
+(Pallas splash attention when lowered for TPU, even from a CPU host; interpret mode
+elsewhere, for tests only; decode with a cache uses the plain path). Decode keeps a latent KV cache: normed c_kv and rotated k_rope
 per position; writing past its end turns the output into NaN rather than wrong numbers.
 """
 
@@ -85,18 +85,24 @@ def splash_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, *, interpret=Non
     B, T, H, _ = q_BTHK.shape
     if k_BSHK.shape[1] != T:
         raise ValueError(f"attention_kernel=flash: needs equal q and kv lengths, got {T} and {k_BSHK.shape[1]}")
-    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     b = min(block, T)
     if T % b:
         raise ValueError(f"attention_kernel=flash: sequence length {T} must be a multiple of the block {b}")
     sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                           block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
     mask = sm.MultiHeadMask([sm.CausalMask((T, T)) for _ in range(H)])
-    kernel = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+    def attend(interp):
+        kernel = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interp)
+        return jax.vmap(lambda q1, k1, v1, s1: kernel(q1, k1, v1, segment_ids=sk.SegmentIds(q=s1, kv=s1)))
+
     q = (q_BTHK.astype(jnp.float32) * scale).astype(q_BTHK.dtype).swapaxes(1, 2)
     k, v = k_BSHK.swapaxes(1, 2), v_BSHV.swapaxes(1, 2)
     seg = segment_BT.astype(jnp.int32)
-    o = jax.vmap(lambda q1, k1, v1, s1: kernel(q1, k1, v1, segment_ids=sk.SegmentIds(q=s1, kv=s1)))(q, k, v, seg)
+    if interpret is None:  # decided for the platform lowered for (a CPU host may compile for TPU)
+        o = jax.lax.platform_dependent(q, k, v, seg, tpu=attend(False), default=attend(True))
+    else:
+        o = attend(interpret)(q, k, v, seg)
     return o.swapaxes(1, 2).astype(q_BTHK.dtype)
 
 

@@ -16,16 +16,24 @@ def ling2_native_library(name, srcs, **kwargs):
     `data`, loaded with ctypes through `ling2.native.load`."""
     native.cc_binary(name = name, srcs = srcs, copts = ["-O3"], linkshared = True, **kwargs)
 
+_PLATFORMS = ("cpu", "tpu", "cuda")
+
 def ling2_py_tests(deps, srcs = None, data = [], size = "medium", sizes = {}, devices = {}, tags = {}, **kwargs):
     """One `ling2_py_test` per test file (default: every *_test.py of the package), named after it.
 
-    `sizes`, `devices` and `tags` map a test name to its own value; `size` is everyone else's."""
+    `sizes`, `devices` and `tags` map a test name to its own value; `size` is everyone else's. A file
+    `*_tpu_compile_test.py` / `*_cuda_compile_test.py` is a test of that platform's venv."""
     for src in (srcs if srcs != None else native.glob(["*_test.py"])):
         name = src[:-len(".py")]
+        platform = "cpu"
+        for p in _PLATFORMS:
+            if name.endswith("_%s_compile_test" % p):
+                platform = p
         ling2_py_test(name = name, srcs = [src], deps = deps, data = data, size = sizes.get(name, size),
-                      devices = devices.get(name, 0), tags = tags.get(name, []), **kwargs)
+                      devices = devices.get(name, 0), tags = tags.get(name, []), platform = platform, **kwargs)
 
-def ling2_py_test(name, srcs, deps = [], data = [], devices = 0, env = {}, args = [], size = "small", **kwargs):
+def ling2_py_test(name, srcs, deps = [], data = [], devices = 0, env = {}, args = [], size = "small",
+                  platform = "cpu", tags = [], **kwargs):
     """A pytest-driven py_test.
 
     Args:
@@ -37,8 +45,13 @@ def ling2_py_test(name, srcs, deps = [], data = [], devices = 0, env = {}, args 
       env: extra environment.
       args: extra pytest arguments.
       size: Bazel test size.
+      platform: the venv the test needs: "cpu" (the default suite), or "tpu" / "cuda" (tagged
+        so, run only by `bazel test --config=tpu|cuda`; see .bazelrc).
+      tags: extra tags.
       **kwargs: passed to py_test.
     """
+    if platform not in _PLATFORMS:
+        fail("ling2_py_test %s: platform = %r, expected one of %s" % (name, platform, _PLATFORMS))
     test_env = {"JAX_PLATFORMS": "cpu"}
     test_env.update(env)
     if devices:
@@ -49,9 +62,10 @@ def ling2_py_test(name, srcs, deps = [], data = [], devices = 0, env = {}, args 
         main = "//tools/bazel:pytest_main.py",
         args = ["$(rootpath %s)" % s for s in srcs] + args,
         deps = deps,
-        data = data + ["//:requirements_lock.txt"],
+        data = data + ["//:requirements_lock_%s.txt" % platform],
         env = test_env,
         size = size,
+        tags = tags + ([] if platform == "cpu" else [platform]),
         python_version = "PY3",
         srcs_version = "PY3",
         **kwargs

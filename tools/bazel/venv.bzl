@@ -1,7 +1,9 @@
-"""Builds a Python venv from a hash-pinned lock file and exposes it as the toolchain.
+"""Builds a Python venv from a hash-pinned lock file and exposes it as a py_runtime_pair.
 
-Bazel re-runs this rule when the lock file changes. Set LING2_PYTHON to pick the base
-interpreter (default: python3 on PATH).
+One repository per platform (WORKSPACE: ling2_venv, ling2_venv_tpu, ling2_venv_cuda). The
+toolchain() declarations that point at them live in //tools/bazel, so toolchain resolution
+fetches only the venv of the platform it picks. Bazel re-runs this rule when the lock file
+changes. Set LING2_PYTHON to pick the base interpreter (default: python3 on PATH).
 """
 
 _BUILD = """
@@ -16,12 +18,6 @@ py_runtime(
 py_runtime_pair(
     name = "pair",
     py3_runtime = ":py3",
-)
-
-toolchain(
-    name = "toolchain",
-    toolchain = ":pair",
-    toolchain_type = "@bazel_tools//tools/python:toolchain_type",
 )
 
 exports_files(["python"])
