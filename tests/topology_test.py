@@ -1,4 +1,4 @@
-"""Topology names -> slice shapes, without libtpu (the tpu-tagged topology_tpu_test asks libtpu).
+"""Topology names -> slice shapes, without libtpu (topology_tpu_compile_test asks libtpu).
 
 Reference: the slice shapes in Cloud TPU's v4 / v5p / v5e / v6e configuration tables and
 MaxText's accelerator_to_spec_map (written out by hand here), and the chip table's sources.

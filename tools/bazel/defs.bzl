@@ -62,7 +62,7 @@ def ling2_py_test(name, srcs, deps = [], data = [], devices = 0, env = {}, args 
         main = "//tools/bazel:pytest_main.py",
         args = ["$(rootpath %s)" % s for s in srcs] + args,
         deps = deps,
-        data = data + ["//:requirements_lock_%s.txt" % platform],
+        data = data + [lock for lock in ["//:requirements_lock_%s.txt" % platform] if lock not in data],
         env = test_env,
         size = size,
         tags = tags + ([] if platform == "cpu" else [platform]),
