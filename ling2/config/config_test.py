@@ -35,7 +35,7 @@ def test_rfc_new_field_defaults():
     expected = dict(moe_z_loss_weight=0.0, moe_shared_expert_dim=0, routed_bias_dtype="", enable_routed_bias_grad=True,
                     routed_bias_zero_mean_update=False, mla_interleaved_rope=True, group_norm_size=1,
                     use_linear_silu=False, blend_cache_dir="", blend_index_dir="", reset_attention_mask=True,
-                    eod_mask_loss=False, mmap_split_sentences=False, pad_id=0, bos_id=1,
+                    eod_mask_loss=False, pad_id=0, bos_id=1,
                     calculate_per_token_loss=True)
     assert {k: getattr(cfg, k) for k in expected} == expected
     assert cfg.routed_bias_dtype_resolved == cfg.weight_dtype
@@ -73,8 +73,7 @@ def test_model_files_load(model):
 
 
 def test_override_order_and_coercion():
-    cfg = load_config("model_name=ling2", "num_experts=64", "routed_scaling_factor=1", "scan_layers=true",
-                      "mesh_axes=[data, fsdp, expert, tensor]")
+    cfg = load_config("model_name=ling2", "num_experts=64", "routed_scaling_factor=1", "scan_layers=true")
     assert cfg.num_experts == 64  # override beats the model file
     assert cfg.routed_scaling_factor == 1.0 and isinstance(cfg.routed_scaling_factor, float)
     assert cfg.scan_layers is True

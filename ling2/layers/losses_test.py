@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ling2.config import load_config
+from ling2.config.schema import MESH_AXES
 from ling2.layers import losses, sharding
 from ling2.layers.embed import Embed, LMHead
 
@@ -201,8 +202,10 @@ def test_sharded_equals_single_device(mesh_sizes):
     """Vocab-sharded kernel (tensor axis) and batch-sharded tokens under jit: same sums and gradients,
     and with vocab_shards = the tensor size the kernel's gradient keeps the kernel's vocab sharding."""
     assert jax.device_count() == 8
-    cfg = load_config(**{f"ici_{a}_parallelism": mesh_sizes.get(a, 1) for a in sharding.MESH_AXES})
-    mesh, rules = sharding.make_mesh(cfg), sharding.rules_dict(cfg.logical_axis_rules)
+    cfg = load_config()
+    shape = tuple(mesh_sizes.get(a, 1) for a in MESH_AXES)
+    mesh = Mesh(np.asarray(jax.devices()).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    rules = sharding.rules_dict(cfg.logical_axis_rules)
     x, k, tgt, w = map(jnp.asarray, case(6, B=4, T=8, E=32, V=160))
 
     def step(x, k, tgt, w, n, shards):

@@ -24,8 +24,15 @@ def env(**extra):
     return out
 
 
-def losses(run_dir) -> dict:
-    return {r["step"]: r["loss"] for r in read_metrics(Path(run_dir) / "metrics.jsonl")}
+def losses(run_dir, live=False) -> dict:
+    """Loss per step. live=True reads a file a running trainer may have just created or be appending to:
+    a missing, empty or half-written file counts as no records yet."""
+    try:
+        return {r["step"]: r["loss"] for r in read_metrics(Path(run_dir) / "metrics.jsonl")}
+    except (FileNotFoundError, ValueError):
+        if live:
+            return {}
+        raise
 
 
 def start(run_dir, *overrides, **extra_env):

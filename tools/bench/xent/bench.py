@@ -31,10 +31,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from ling2.config.paths import user_path
+from ling2.config.schema import MESH_AXES
 from ling2.layers import losses, sharding
 from tools.bench.memory import planned_bytes
 
-MESH_AXES = sharding.MESH_AXES
 RULES = [("activation_batch", ["data", "fsdp", "expert"]), ("activation_length", None),
          ("activation_embed", None), ("activation_vocab", ["tensor"]), ("embed", ["fsdp"]), ("vocab", ["tensor"])]
 
