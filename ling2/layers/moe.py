@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from ling2.layers import moe_ep, moe_experts, moe_gmm, moe_router
+from ling2.layers import moe_ep, moe_experts, moe_router
 from ling2.layers.moe_experts import Mlp
 from ling2.layers.moe_router import router_metrics, update_routed_bias
 
@@ -61,12 +61,12 @@ class MoE(nnx.Module):
     """Routed + shared SwiGLU experts. x_BSD -> (y_BSD, MoEAux).
 
     `gmm` picks the dropless grouped matmul: "ragged_dot", "tiled" (fast on CPU), or
-    None for the backend default.
+    "auto"/None (cfg.moe_gmm_backend; "auto": chosen for the platform lowered for).
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, gmm: str | None = None):
         self.cfg = cfg
-        self.gmm = gmm or (None if cfg.moe_gmm_backend == "auto" else cfg.moe_gmm_backend)
+        self.gmm = gmm or cfg.moe_gmm_backend
         self.gate = moe_router.Router(cfg, rngs=rngs)
         self.experts = moe_experts.RoutedExperts(cfg, rngs=rngs)
         width = cfg.shared_experts * cfg.shared_expert_dim
@@ -93,7 +93,7 @@ class MoE(nnx.Module):
             lb_loss = cfg.load_balance_loss_weight * moe_router.load_balance_loss(r.scores_TE, counts_E, valid_T)
 
         w = self.experts.weights(dtype)
-        gmm = self.gmm or moe_gmm.default_gmm()
+        gmm = self.gmm
         experts_BSK, weights_BSK = r.experts_TK.reshape(B, S, K), r.weights_TK.reshape(B, S, K)
         mesh = jax.sharding.get_abstract_mesh()
         if not cfg.sparse_matmul:

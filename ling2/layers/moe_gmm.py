@@ -7,6 +7,9 @@ dim, F expert width.
   so on CPU a loop walks expert-pure tiles of the sorted rows, one [tile, D] x [D, 2F] and one
   [tile, F] x [F, D] matmul each; only tiles in use run, and a hand-written backward keeps
   the loop out of reverse-mode autodiff.
+  "auto": tiled when lowered for CPU, ragged_dot for any other platform, decided for the
+  platform the computation is lowered for (`jax.lax.platform_dependent`), not the host's: a CPU
+  host compiling for TPU builds what a TPU host would.
 """
 
 from functools import partial
@@ -17,8 +20,7 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
-def default_gmm() -> str:
-    return "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+GMMS = ("auto", "ragged_dot", "tiled")
 
 
 def ffn_ragged_dot(x_MD, group_sizes_E, wg, wu, wd):
@@ -138,12 +140,15 @@ def ffn_tiled(x_MD, group_sizes_E, wg, wu, wd, tile: int = 128):
     return y.astype(x_MD.dtype)
 
 
-def grouped_ffn(x_MD, group_sizes_E, w, gmm: str):
+def grouped_ffn(x_MD, group_sizes_E, w, gmm: str = "auto"):
+    """Grouped SwiGLU of rows sorted by expert with weights w = (wg, wu, wd) by backend `gmm` (GMMS)."""
+    if gmm == "auto":
+        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=ffn_tiled, default=ffn_ragged_dot)
     if gmm == "ragged_dot":
         return ffn_ragged_dot(x_MD, group_sizes_E, *w)
     if gmm == "tiled":
         return ffn_tiled(x_MD, group_sizes_E, *w)
-    raise ValueError(f"gmm: unknown grouped matmul {gmm!r} (ragged_dot or tiled)")
+    raise ValueError(f"gmm: unknown grouped matmul {gmm!r} (one of {GMMS})")
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
