@@ -11,3 +11,12 @@ def user_path(p) -> Path:
     if path.is_absolute():
         return path
     return Path(os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd())) / path
+
+
+REPO = Path(os.path.abspath(__file__)).parents[2]  # the repository (the runfiles tree under Bazel)
+
+
+def find_file(p) -> Path:
+    """A user path if it exists, else the same path inside the repository (bundled files)."""
+    up = user_path(p)
+    return up if up.exists() or Path(p).is_absolute() else REPO / p

@@ -191,6 +191,12 @@ class Mesh(_Group):
     ici_fsdp_parallelism: int = _f("Size of the fsdp axis (parameters sharded, batch split); -1 fills.")
     ici_expert_parallelism: int = _f("Size of the expert axis (experts sharded, batch split); -1 fills.")
     ici_tensor_parallelism: int = _f("Size of the tensor axis (heads, MLP width, vocab sharded); -1 fills.")
+    dcn_data_parallelism: int = _f(
+        "Multi-slice: slices along the data axis (over the data-center network); the mesh's data axis is "
+        "dcn x ici, slices outermost. The dcn_* sizes multiply to the number of slices; -1 fills.")
+    dcn_fsdp_parallelism: int = _f("Multi-slice: slices along the fsdp axis (see dcn_data_parallelism); -1 fills.")
+    dcn_expert_parallelism: int = _f("Multi-slice: slices along the expert axis (see dcn_data_parallelism); -1 fills.")
+    dcn_tensor_parallelism: int = _f("Multi-slice: slices along the tensor axis (see dcn_data_parallelism); -1 fills.")
     logical_axis_rules: list[tuple[str, Optional[list[str]]]] = _f(
         "Logical axis name -> mesh axes (null: replicated), for parameters and activations.")
 
@@ -264,11 +270,12 @@ class Config(*GROUPS):
              f"want [] or 3 entries [train, valid, test], got {len(self.blend_per_split)}")
         need(not (self.blend_per_split and self.data_path), "blend_per_split",
              "cannot be used with data_path (as Megatron's blend and blend_per_split); set data_path ''")
-        for name in ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_expert_parallelism", "ici_tensor_parallelism"):
-            v = getattr(self, name)
-            need(v == -1 or v >= 1, name, f"must be -1 (fill) or >= 1, got {v}")
-        fills = [n for n in ("data", "fsdp", "expert", "tensor") if getattr(self, f"ici_{n}_parallelism") == -1]
-        need(len(fills) <= 1, "ici_*_parallelism", f"at most one axis may be -1, got {fills}")
+        for net in ("ici", "dcn"):
+            for a in MESH_AXES:
+                v = getattr(self, f"{net}_{a}_parallelism")
+                need(v == -1 or v >= 1, f"{net}_{a}_parallelism", f"must be -1 (fill) or >= 1, got {v}")
+            fills = [a for a in MESH_AXES if getattr(self, f"{net}_{a}_parallelism") == -1]
+            need(len(fills) <= 1, f"{net}_*_parallelism", f"at most one axis may be -1, got {fills}")
         for logical, axes in self.logical_axis_rules:
             for a in axes or ():
                 need(a in MESH_AXES, "logical_axis_rules", f"rule {logical!r} names unknown mesh axis {a!r}")

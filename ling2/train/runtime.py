@@ -1,7 +1,7 @@
 """Where a run executes: the device mesh, parameter shardings, global batches and device peak FLOP/s.
 
 The mesh is (data, fsdp, expert, tensor) from cfg.ici_*_parallelism (one -1 fills the
-devices). Parameters carry logical axis names (`out_sharding` metadata); the config's
+devices of a slice) times cfg.dcn_*_parallelism across slices (multi-slice; slices outermost). Parameters carry logical axis names (`out_sharding` metadata); the config's
 `logical_axis_rules` map them to mesh axes (`ling2.layers.sharding.logical_to_spec`).
 """
 
@@ -22,25 +22,65 @@ PEAK_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "b200": 2250e12, "
               "v5p": 459e12, "v5": 459e12, "v6 lite": 918e12, "v6e": 918e12, "v4": 275e12}
 
 
-def mesh_shape(cfg, num_devices: int) -> tuple[int, ...]:
-    """The (data, fsdp, expert, tensor) sizes from cfg.ici_*_parallelism; one -1 fills the rest."""
-    sizes = [getattr(cfg, f"ici_{a}_parallelism") for a in MESH_AXES]
+def _sizes(cfg, net: str, count: int) -> list[int]:
+    """Per-axis sizes of cfg.{net}_*_parallelism over `count` devices (ici) or slices (dcn); one -1 fills."""
+    sizes = [getattr(cfg, f"{net}_{a}_parallelism") for a in MESH_AXES]
+    what = "devices per slice" if net == "ici" else "slices"
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
-        if num_devices % known:
-            raise ValueError(f"ici_*_parallelism: fixed sizes {sizes} do not divide {num_devices} devices")
-        sizes[sizes.index(-1)] = num_devices // known
-    if math.prod(sizes) != num_devices:
-        raise ValueError(f"ici_*_parallelism: mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
-                         f"have {num_devices}")
-    return tuple(sizes)
+        if count % known:
+            raise ValueError(f"{net}_*_parallelism: fixed sizes {sizes} do not divide {count} {what}")
+        sizes[sizes.index(-1)] = count // known
+    if math.prod(sizes) != count:
+        raise ValueError(f"{net}_*_parallelism: {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} {what}, "
+                         f"have {count}")
+    return sizes
+
+
+def mesh_shapes(cfg, num_devices: int, num_slices: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(ici, dcn) per-axis sizes: ici over the devices of one slice, dcn over the slices."""
+    if num_devices % num_slices:
+        raise ValueError(f"{num_devices} devices do not split into {num_slices} equal slices")
+    return tuple(_sizes(cfg, "ici", num_devices // num_slices)), tuple(_sizes(cfg, "dcn", num_slices))
+
+
+def mesh_shape(cfg, num_devices: int, num_slices: int = 1) -> tuple[int, ...]:
+    """The (data, fsdp, expert, tensor) sizes: dcn x ici per axis (one -1 fills within each)."""
+    ici, dcn = mesh_shapes(cfg, num_devices, num_slices)
+    return tuple(i * d for i, d in zip(ici, dcn))
+
+
+def hybrid_device_array(slices: list, ici: tuple, dcn: tuple) -> np.ndarray:
+    """Devices [dcn0*ici0, dcn1*ici1, ...] from `slices` (one list of devices per slice): each slice
+    fills an ici block, and along every axis the slice index is the outer part of the mesh index,
+    so only the dcn part of an axis crosses slices."""
+    n = len(dcn)
+    blocks = np.empty((len(slices), math.prod(ici)), dtype=object)
+    for i, s in enumerate(slices):
+        blocks[i, :] = list(s)
+    arr = blocks.reshape(*dcn, *ici)  # (d0, d1, .., i0, i1, ..)
+    arr = arr.transpose([k for a in range(n) for k in (a, n + a)])  # (d0, i0, d1, i1, ..)
+    return arr.reshape([d * i for d, i in zip(dcn, ici)])
+
+
+def num_slices_of(devices) -> int:
+    """Distinct slice indices among `devices` (1 for devices that carry none)."""
+    return len({getattr(d, "slice_index", 0) or 0 for d in devices})
 
 
 def make_mesh(cfg, devices=None) -> Mesh:
-    """A (data, fsdp, expert, tensor) mesh over `devices` (default: all)."""
+    """A (data, fsdp, expert, tensor) mesh over `devices` (default: all). Over several slices (devices'
+    slice_index) each axis is dcn x ici, slices outermost: cfg.dcn_*_parallelism slices along it."""
     devices = jax.devices() if devices is None else list(devices)
-    shape = mesh_shape(cfg, len(devices))
-    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+    by_slice: dict = {}
+    for d in devices:
+        by_slice.setdefault(getattr(d, "slice_index", 0) or 0, []).append(d)
+    ici, dcn = mesh_shapes(cfg, len(devices), len(by_slice))
+    if len(by_slice) == 1:
+        arr = np.asarray(devices, dtype=object).reshape(ici)
+    else:
+        arr = hybrid_device_array([by_slice[k] for k in sorted(by_slice)], ici, dcn)
+    return Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
 def state_shardings(state, mesh: Mesh, rules):

@@ -27,6 +27,31 @@ def test_mesh_shape_fill_and_errors():
         runtime.mesh_shape(load_config(ici_fsdp_parallelism=-1, ici_tensor_parallelism=3), 8)
 
 
+def test_multi_slice_mesh_shapes_and_errors():
+    cfg = load_config(ici_fsdp_parallelism=-1, ici_tensor_parallelism=2, dcn_data_parallelism=2, dcn_fsdp_parallelism=-1)
+    assert runtime.mesh_shapes(cfg, 32, num_slices=4) == ((1, 4, 1, 2), (2, 2, 1, 1))
+    assert runtime.mesh_shape(cfg, 32, num_slices=4) == (2, 8, 1, 2)
+    with pytest.raises(ValueError, match="dcn_"):  # 2 x 2 slices asked for, 2 there
+        runtime.mesh_shape(load_config(dcn_data_parallelism=2, dcn_expert_parallelism=2), 16, num_slices=2)
+    with pytest.raises(ValueError, match="dcn_"):  # one slice cannot be split over dcn
+        runtime.mesh_shape(load_config(dcn_data_parallelism=2), 8)
+    with pytest.raises(ValueError, match="slices"):
+        runtime.mesh_shape(load_config(), 10, num_slices=4)
+
+
+def test_hybrid_device_array_puts_slices_outermost():
+    """Hand-built case: 2 slices of 4 devices (slice s holds 10s..10s+3), ici (fsdp 2, tensor 2),
+    dcn over data and fsdp would need 4 slices, so dcn (data 2): the data axis is the slice index."""
+    slices = [[0, 1, 2, 3], [10, 11, 12, 13]]
+    arr = runtime.hybrid_device_array(slices, (1, 2, 1, 2), (2, 1, 1, 1))
+    assert arr.shape == (2, 2, 1, 2)
+    assert arr[0].ravel().tolist() == [0, 1, 2, 3] and arr[1].ravel().tolist() == [10, 11, 12, 13]
+    # dcn along fsdp: fsdp index = slice * ici_fsdp + ici index, so fsdp rows 0-1 are slice 0, 2-3 slice 1.
+    arr = runtime.hybrid_device_array(slices, (1, 2, 1, 2), (1, 2, 1, 1))
+    assert arr.shape == (1, 4, 1, 2)
+    assert arr[0, :, 0, :].tolist() == [[0, 1], [2, 3], [10, 11], [12, 13]]
+
+
 def test_state_shardings_follow_param_names():
     class M(nnx.Module):
         def __init__(self):

@@ -5,14 +5,12 @@ With no arguments it trains ling2-tiny on the bundled sample data on CPU
 flags cover what is not model config.
 """
 
-import os
 import sys
 import traceback
-from pathlib import Path
 
 from absl import app, flags
 
-from ling2.config.paths import user_path
+from ling2.config.paths import find_file, user_path
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "configs/train/tiny_sample.yml",
@@ -25,15 +23,6 @@ flags.DEFINE_bool("tensorboard", True, "Write TensorBoard event files next to me
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 for multi-host (or LING2_COORDINATOR).")
 flags.DEFINE_integer("num_processes", None, "Number of processes (or LING2_NUM_PROCESSES).")
 flags.DEFINE_integer("process_id", None, "This process's index (or LING2_PROCESS_ID).")
-
-REPO = Path(os.path.abspath(__file__)).parents[2]  # the runfiles tree under Bazel
-
-
-def find_file(p: str) -> Path:
-    """A user path if it exists, else the same path inside the repository (bundled files)."""
-    up = user_path(p)
-    return up if up.exists() or Path(p).is_absolute() else REPO / p
-
 
 def main(argv):
     from absl import logging

@@ -1,0 +1,207 @@
+"""Compile-only plan of a training run on a named accelerator topology, from any host.
+
+  bazel run --config=tpu //ling2/train:compile -- --topology=v5p-128 [--num_slices=2] \\
+      [--config=FILE] [--out=plan.json] model_name=ling2 key=value ...
+
+Compiles the trainer's own step (`loop.compile_train_step`: the same step function, shardings,
+gradient accumulation, MoE + expert parallelism, MTP and remat) for the topology's devices, with
+abstract state only (nothing is materialised), and prints per chip: arguments (parameters,
+optimizer state, batch), temporaries, outputs and their total against the chip's HBM; compile
+time; FLOPs per step from XLA's cost analysis next to Ling2's own count; the step time those
+FLOPs take at the chip's peak and the MFU that step time gives. The last line is
+`<topology>: <X> GiB of <Y> GiB per chip (fits)` or `(does not fit, short by Z GiB)`; exit 0 / 1.
+Bad input (unknown topology, a mesh or batch that does not divide the topology, bad config
+keys) exits 2 with the error named.
+"""
+
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("topology", None, "Target, e.g. v5p-128, v6e-256, v4-32, v5e-16, h100-8 (see ling2/topology.py).")
+flags.DEFINE_integer("num_slices", 1, "Identical TPU slices joined over the data-center network (multi-slice; set "
+                     "dcn_*_parallelism to split the mesh over them, default: all over dcn_data).")
+flags.DEFINE_string("config", "configs/base.yml", "Root config file (relative: the working directory, then the repository).")
+flags.DEFINE_string("out", None, "Write the plan as JSON here.")
+
+GiB = 1024**3
+
+
+class PlanError(ValueError):
+    """Bad input to a plan: its message names the flag or config field."""
+
+
+def _shard_bytes(x) -> int:
+    shape = x.sharding.shard_shape(x.shape)
+    return math.prod(shape) * x.dtype.itemsize
+
+
+def _tree_bytes(tree) -> int:
+    import jax
+
+    return sum(_shard_bytes(x) for x in jax.tree.leaves(tree))
+
+
+def _hbm_overflow(msg: str):
+    """(used, capacity) bytes from XLA:TPU's out-of-memory compile error, or None."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    m = re.search(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm", msg)
+    if not m:
+        return None
+    return float(m.group(1)) * units[m.group(2)], float(m.group(3)) * units[m.group(4)]
+
+
+def check_plan(cfg, topo, mesh) -> None:
+    """PlanError when the batch does not split over the mesh's batch axes."""
+    n = mesh.size
+    rows = cfg.per_device_batch_size * n
+    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+    if rows != int(rows) or int(rows) < 1 or int(rows) % batch_shards:
+        raise PlanError(f"per_device_batch_size: {cfg.per_device_batch_size} x {n} chips = {rows:g} rows per "
+                        f"micro-batch, which do not split over data x fsdp x expert = {batch_shards} of {topo.name}'s "
+                        f"mesh {dict(mesh.shape)}")
+
+
+def plan(cfg, topo, log=print) -> dict:
+    """Compiles the train step of `cfg` for `topo` and returns the plan (bytes per chip, FLOPs, times)."""
+    import jax
+
+    from ling2.layers.model import count_params, training_flops_per_token
+    from ling2.train.loop import abstract_batch, compile_train_step
+    from ling2.train.runtime import make_mesh
+
+    try:
+        devices = topo.devices()
+    except RuntimeError as e:  # the platform's compiler is not installed
+        raise PlanError(str(e)) from e
+    try:
+        mesh = make_mesh(cfg, devices)
+    except ValueError as e:
+        raise PlanError(f"{e} (topology {topo.name}, {topo.num_slices} slice(s) of {topo.chips_per_slice} chips)") from e
+    check_plan(cfg, topo, mesh)
+    chips = mesh.size
+    seqs = cfg.global_batch_size(chips)
+    tokens = seqs * cfg.max_target_length
+    out = {"topology": topo.name, "num_slices": topo.num_slices, "chips": chips, "device_kind": topo.chip.device_kind,
+           "mesh": dict(mesh.shape), "model_name": cfg.model_name, "params": count_params(cfg)["total"],
+           "seq_len": cfg.max_target_length, "global_batch_seqs": seqs, "tokens_per_step": tokens,
+           "micro_batch_seqs": cfg.micro_batch_size(chips), "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+           "remat_policy": cfg.remat_policy, "scan_layers": cfg.scan_layers, "loss_vocab_blocks": cfg.loss_vocab_blocks,
+           "hbm_bytes": topo.chip.hbm_bytes, "peak_flops": topo.chip.peak_bf16_flops}
+    log(f"{topo.name} x{topo.num_slices}: {chips} chips ({topo.chip.device_kind}), mesh {dict(mesh.shape)}; "
+        f"{cfg.model_name} {out['params'] / 1e9:.2f}B params; {seqs} x {cfg.max_target_length} tokens per step "
+        f"({cfg.gradient_accumulation_steps} micro-batches of {out['micro_batch_seqs']})")
+    t0 = time.perf_counter()
+    try:
+        compiled, state = compile_train_step(cfg, mesh)
+    except Exception as e:  # noqa: BLE001 - XLA reports a program over HBM as a compile error
+        over = _hbm_overflow(str(e))
+        if over is None:
+            raise
+        out.update(compile_s=time.perf_counter() - t0, total_bytes=int(over[0]), fits=False,
+                   xla_error=str(e).splitlines()[0][:500])
+        return out
+    out["compile_s"] = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    field = lambda f: int(getattr(mem, f, 0) or 0)
+    out["params_bytes"] = _tree_bytes((state.params, state.rest))
+    out["opt_state_bytes"] = _tree_bytes((state.opt_state, state.step, state.skipped, state.skipped_total))
+    out["batch_bytes"] = _tree_bytes(abstract_batch(cfg, mesh))
+    for f in ("argument", "output", "temp", "alias", "generated_code"):
+        out[f"{f}_bytes"] = field(f"{f}_size_in_bytes")
+    out["total_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
+                          + out["generated_code_bytes"])
+    out["fits"] = out["total_bytes"] <= topo.chip.hbm_bytes
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    out["xla_flops_per_chip"] = float(cost.get("flops", 0.0)) if cost else 0.0
+    out["ling2_flops_per_chip"] = training_flops_per_token(cfg) * tokens / chips
+    peak = topo.chip.peak_bf16_flops
+    out["step_s_at_peak"] = max(out["xla_flops_per_chip"], out["ling2_flops_per_chip"]) / peak
+    out["mfu_at_peak"] = out["ling2_flops_per_chip"] / peak / out["step_s_at_peak"]
+    return out
+
+
+def table(p: dict) -> str:
+    """The per-chip plan as text (the verdict line is printed apart)."""
+    g = lambda b: f"{b / GiB:9.2f} GiB"
+    rows = [("compile time", f"{p['compile_s']:9.1f} s")]
+    if "argument_bytes" in p:
+        other = p["argument_bytes"] - p["params_bytes"] - p["opt_state_bytes"] - p["batch_bytes"]
+        rows += [
+            ("arguments", g(p["argument_bytes"])),
+            ("  parameters", g(p["params_bytes"])),
+            ("  optimizer state", g(p["opt_state_bytes"])),
+            ("  batch", g(p["batch_bytes"])),
+            ("  layout padding (XLA - shapes)", g(other)),
+            ("temporaries", g(p["temp_bytes"])),
+            ("outputs", g(p["output_bytes"])),
+            ("  aliased with arguments (donated)", g(-p["alias_bytes"])),
+            ("generated code", g(p["generated_code_bytes"])),
+            ("total", g(p["total_bytes"])),
+            ("chip HBM", g(p["hbm_bytes"])),
+            ("FLOPs per chip per step, XLA", f"{p['xla_flops_per_chip']:12.4g}"),
+            ("FLOPs per chip per step, Ling2", f"{p['ling2_flops_per_chip']:12.4g}"),
+            ("step time at peak", f"{p['step_s_at_peak']:9.3f} s"),
+            ("MFU at that step time", f"{100 * p['mfu_at_peak']:9.1f} %"),
+        ]
+    else:
+        rows += [("total (XLA: out of HBM)", g(p["total_bytes"])), ("chip HBM", g(p["hbm_bytes"]))]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+
+def verdict(p: dict) -> str:
+    head = f"{p['topology']}" + (f" x{p['num_slices']}" if p["num_slices"] > 1 else "")
+    x, y = p["total_bytes"] / GiB, p["hbm_bytes"] / GiB
+    if p["fits"]:
+        return f"{head}: {x:.2f} GiB of {y:.2f} GiB per chip (fits)"
+    return f"{head}: {x:.2f} GiB of {y:.2f} GiB per chip (does not fit, short by {x - y:.2f} GiB)"
+
+
+def main(argv) -> int:
+    from absl import logging
+
+    from ling2 import topology
+    from ling2.config import ConfigError, load_config
+    from ling2.config.schema import MESH_AXES
+    from ling2.config.paths import find_file
+
+    logging.set_verbosity(logging.WARNING)
+    if not FLAGS.topology:
+        print("error: --topology is required (e.g. --topology=v5p-64)", file=sys.stderr)
+        return 2
+    try:
+        topo = topology.parse(FLAGS.topology, FLAGS.num_slices)
+    except ValueError as e:
+        print(f"error: --topology: {e}", file=sys.stderr)
+        return 2
+    overrides = list(argv[1:])
+    try:
+        cfg = load_config(*overrides, config_file=find_file(FLAGS.config))
+        if topo.num_slices > 1 and all(getattr(cfg, f"dcn_{a}_parallelism") == 1 for a in MESH_AXES):
+            cfg = load_config(*overrides, f"dcn_data_parallelism={topo.num_slices}", config_file=find_file(FLAGS.config))
+    except ConfigError as e:
+        print(f"error: bad config: {e}", file=sys.stderr)
+        return 2
+    try:
+        p = plan(cfg, topo)
+    except ValueError as e:  # PlanError and the model's own checks name their field
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(table(p))
+    if FLAGS.out:
+        Path(FLAGS.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(FLAGS.out).write_text(json.dumps(p, indent=1) + "\n")
+    print(verdict(p))
+    return 0 if p["fits"] else 1
+
+
+if __name__ == "__main__":
+    app.run(lambda argv: sys.exit(main(argv)))
