@@ -44,6 +44,25 @@ def test_dry_run_prints_memory(tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_dry_run_reads_no_data_and_materialises_no_state(tmp_path, monkeypatch):
+    """The data path does not exist and building real state or batches fails: the dry run still
+    compiles (abstract state only) and reports XLA's memory analysis."""
+    cfg = load_config(*e2e.MICRO, "data_path=/nonexistent/prefix")
+
+    def forbidden(*a, **k):
+        raise AssertionError("the dry run built real state or read data")
+
+    monkeypatch.setattr(loop, "init_state", forbidden)
+    lines = []
+    result = loop.run(cfg, tmp_path, forbidden, dry_run_only=True, tensorboard=False, log=lines.append,
+                      devices=jax.devices()[:1])
+    assert result.final_step == 0 and not (tmp_path / "checkpoints").exists()
+    args = [float(s.split()[1]) for s in lines if s.strip().startswith("argument_size_in_bytes")]
+    assert args and args[0] > 0, lines
+    big = max((x.nbytes for x in jax.live_arrays()), default=0)
+    assert big < 1 << 20, big  # the embedding alone (8192 x 64 fp32) would be 2 MiB
+
+
 def test_consecutive_non_finite_steps_stop_with_last_good_checkpoint(tmp_path):
     cfg = load_config(*e2e.MICRO, "steps=10", "checkpoint_period=2", "async_checkpointing=false",
                       config_file=find_file("configs/train/tiny_sample.yml"))
