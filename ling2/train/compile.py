@@ -48,13 +48,20 @@ def _tree_bytes(tree) -> int:
     return sum(_shard_bytes(x) for x in jax.tree.leaves(tree))
 
 
-def _hbm_overflow(msg: str):
-    """(used, capacity) bytes from XLA:TPU's out-of-memory compile error, or None."""
-    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    m = re.search(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm", msg)
-    if not m:
-        return None
-    return float(m.group(1)) * units[m.group(2)], float(m.group(3)) * units[m.group(4)]
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# XLA:TPU refuses a program over HBM at compile time; these are its messages (sizes in 1024-based units).
+_OOM = (re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)"),
+        re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"))
+
+
+def hbm_overflow(msg: str):
+    """(what, bytes, available bytes) from XLA:TPU's out-of-memory compile error, or None. `what` is
+    "temporaries" (the message counts only them) or "total"."""
+    for what, pat in zip(("temporaries", "total"), _OOM):
+        m = pat.search(msg)
+        if m:
+            return what, float(m.group(1)) * _UNITS[m.group(2)], float(m.group(3)) * _UNITS[m.group(4)]
+    return None
 
 
 def check_plan(cfg, topo, mesh) -> None:
@@ -75,6 +82,7 @@ def plan(cfg, topo, log=print) -> dict:
     from ling2.layers.model import count_params, training_flops_per_token
     from ling2.train.loop import abstract_batch, compile_train_step
     from ling2.train.runtime import make_mesh
+    from ling2.train.state import abstract_state
 
     try:
         devices = topo.devices()
@@ -97,22 +105,28 @@ def plan(cfg, topo, log=print) -> dict:
     log(f"{topo.name} x{topo.num_slices}: {chips} chips ({topo.chip.device_kind}), mesh {dict(mesh.shape)}; "
         f"{cfg.model_name} {out['params'] / 1e9:.2f}B params; {seqs} x {cfg.max_target_length} tokens per step "
         f"({cfg.gradient_accumulation_steps} micro-batches of {out['micro_batch_seqs']})")
+    abstract = abstract_state(cfg, mesh)
+    state = abstract[3]
+    out["params_bytes"] = _tree_bytes((state.params, state.rest))
+    out["opt_state_bytes"] = _tree_bytes((state.opt_state, state.step, state.skipped, state.skipped_total))
+    out["batch_bytes"] = _tree_bytes(abstract_batch(cfg, mesh))
     t0 = time.perf_counter()
     try:
-        compiled, state = compile_train_step(cfg, mesh)
+        compiled, state = compile_train_step(cfg, mesh, abstract)
     except Exception as e:  # noqa: BLE001 - XLA reports a program over HBM as a compile error
-        over = _hbm_overflow(str(e))
+        over = hbm_overflow(str(e))
         if over is None:
             raise
-        out.update(compile_s=time.perf_counter() - t0, total_bytes=int(over[0]), fits=False,
-                   xla_error=str(e).splitlines()[0][:500])
+        what, used, avail = over
+        if what == "temporaries":  # the state and batch come on top
+            used += out["params_bytes"] + out["opt_state_bytes"] + out["batch_bytes"]
+        out.update(compile_s=time.perf_counter() - t0, total_bytes=int(used), fits=False,
+                   xla_oom=str(e).splitlines()[0][:500], xla_available_hbm_bytes=int(avail))
+        log(f"XLA: {out['xla_oom']}")
         return out
     out["compile_s"] = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     field = lambda f: int(getattr(mem, f, 0) or 0)
-    out["params_bytes"] = _tree_bytes((state.params, state.rest))
-    out["opt_state_bytes"] = _tree_bytes((state.opt_state, state.step, state.skipped, state.skipped_total))
-    out["batch_bytes"] = _tree_bytes(abstract_batch(cfg, mesh))
     for f in ("argument", "output", "temp", "alias", "generated_code"):
         out[f"{f}_bytes"] = field(f"{f}_size_in_bytes")
     out["total_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
@@ -152,7 +166,9 @@ def table(p: dict) -> str:
             ("MFU at that step time", f"{100 * p['mfu_at_peak']:9.1f} %"),
         ]
     else:
-        rows += [("total (XLA: out of HBM)", g(p["total_bytes"])), ("chip HBM", g(p["hbm_bytes"]))]
+        rows += [("parameters", g(p["params_bytes"])), ("optimizer state", g(p["opt_state_bytes"])),
+                 ("batch", g(p["batch_bytes"])), ("total (XLA stopped: out of HBM)", g(p["total_bytes"])),
+                 ("chip HBM", g(p["hbm_bytes"]))]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 

@@ -35,8 +35,8 @@ def test_fsdp_expert_tensor_on_one_slice(monkeypatch):
     seen = {}
     real = loop.compile_train_step
 
-    def spy(cfg, mesh):
-        compiled, state = real(cfg, mesh)
+    def spy(cfg, mesh, *a):
+        compiled, state = real(cfg, mesh, *a)
         seen["hlo"], seen["state"] = compiled.as_text(), state
         return compiled, state
 
@@ -64,7 +64,7 @@ def test_fsdp_expert_tensor_on_one_slice(monkeypatch):
 def test_two_slices_data_over_dcn(monkeypatch):
     meshes = []
     real = loop.compile_train_step
-    monkeypatch.setattr(loop, "compile_train_step", lambda cfg, mesh: meshes.append(mesh) or real(cfg, mesh))
+    monkeypatch.setattr(loop, "compile_train_step", lambda cfg, mesh, *a: meshes.append(mesh) or real(cfg, mesh, *a))
     p, _ = run_plan("v5p-8", num_slices=2, dcn_data_parallelism=2, ici_fsdp_parallelism=2, ici_expert_parallelism=2)
     assert p["mesh"] == {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1} and p["num_slices"] == 2
     check_plan(p)

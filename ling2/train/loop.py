@@ -62,10 +62,11 @@ def abstract_batch(cfg, mesh) -> dict:
     return out
 
 
-def compile_train_step(cfg, mesh):
+def compile_train_step(cfg, mesh, abstract=None):
     """The trainer's own step, lowered and compiled against abstract state and batch (nothing is
-    materialised). Returns (compiled, abstract TrainState)."""
-    gd, tx, sched, state = abstract_state(cfg, mesh)
+    materialised). `abstract`: `abstract_state(cfg, mesh)` if already built. Returns (compiled,
+    abstract TrainState)."""
+    gd, tx, sched, state = abstract or abstract_state(cfg, mesh)
     with use_mesh(mesh, cfg.logical_axis_rules):
         compiled = step_lib.jit_train_step(gd, tx, cfg, sched).lower(state, abstract_batch(cfg, mesh)).compile()
     return compiled, state

@@ -84,11 +84,12 @@ def make_mesh(cfg, devices=None) -> Mesh:
 
 
 def state_shardings(state, mesh: Mesh, rules):
-    """NamedShardings for an nnx.State whose Variables carry logical `out_sharding` names."""
+    """NamedShardings for a tree whose nnx Variables carry logical `out_sharding` names (an nnx.State,
+    or optimizer state built from one); other leaves are replicated."""
     rules = sharding.rules_dict(rules)
 
     def one(v):
-        names = v.get_metadata().get("out_sharding")
+        names = v.get_metadata().get("out_sharding") if isinstance(v, nnx.Variable) else None
         if not names:
             return NamedSharding(mesh, PartitionSpec())
         return NamedSharding(mesh, sharding.logical_to_spec(tuple(names), v.shape, rules, mesh))

@@ -1,5 +1,6 @@
 """The trainer runtime: mesh shapes from the config, parameter shardings from logical names (8 fake CPU devices)."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -62,3 +63,23 @@ def test_state_shardings_follow_param_names():
     sh = runtime.state_shardings(nnx.state(M()), m, RULES)
     assert sh["w"].spec == P("expert", "fsdp", "tensor")
     assert sh["b"].spec == P()
+
+
+def test_optimizer_state_is_sharded_like_its_parameters():
+    """Adam's moments take their parameter's sharding (abstract and real state), counters are replicated;
+    per device the moments are 2x the parameters' bytes, not 2x the whole model."""
+    from ling2.train.state import abstract_state, init_state
+
+    cfg = load_config(model_name="ling2-micro", ici_fsdp_parallelism=2, ici_expert_parallelism=2, ici_tensor_parallelism=2)
+    m = runtime.make_mesh(cfg)
+    _, _, _, abstract = abstract_state(cfg, m)
+    _, _, _, real = init_state(cfg, m)
+    param_specs = [x.sharding.spec for x in jax.tree.leaves(abstract.params)]
+    assert any(s != P() for s in param_specs)
+    for tree in (abstract.opt_state, real.opt_state):
+        adam = tree[1][0]  # chain(clip, adamw) -> adamw's ScaleByAdamState
+        for moments in (adam.mu, adam.nu):
+            assert [x.sharding.spec for x in jax.tree.leaves(moments)] == param_specs
+        assert adam.count.sharding.spec == P() and adam.count.sharding.mesh.size == 8
+    shard = lambda t: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(t))
+    assert shard(real.opt_state) < 2.1 * shard(real.params)

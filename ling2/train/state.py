@@ -56,17 +56,16 @@ def _counters(mesh):
 def abstract_state(cfg, mesh, seed: Optional[int] = None):
     """(graphdef, optimizer, lr schedule, TrainState of ShapeDtypeStructs carrying their shardings).
 
-    Optimizer-state shardings are what XLA gives `tx.init` of the sharded params (as `init_state`
-    computes it), counters replicated."""
+    Optimizer state per parameter (Adam's moments: optax rebuilds the params' Variables, names
+    included) is sharded as its parameter; counters are replicated."""
     seed = cfg.seed if seed is None else seed
     gd, params, rest = jax.eval_shape(functools.partial(_build, cfg, seed))
     tx, sched = make_optimizer(cfg, params)
     replicated = NamedSharding(mesh, PartitionSpec())
     params = _with_shardings(params, state_shardings(params, mesh, cfg.logical_axis_rules))
     rest = _with_shardings(rest, state_shardings(rest, mesh, cfg.logical_axis_rules))
-    init = jax.jit(tx.init).lower(params).compile()
-    opt_shardings = jax.tree.map(lambda s: s if isinstance(s, NamedSharding) else replicated, init.output_shardings)
-    opt = _with_shardings(jax.eval_shape(tx.init, params), opt_shardings)
+    opt = jax.eval_shape(tx.init, params)
+    opt = _with_shardings(opt, state_shardings(opt, mesh, cfg.logical_axis_rules))
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     return gd, tx, sched, TrainState(step=scalar, params=params, rest=rest, opt_state=opt, skipped=scalar,
                                      skipped_total=scalar)
@@ -95,13 +94,8 @@ def init_state(cfg, mesh, seed: Optional[int] = None):
 
     with use_mesh(mesh, cfg.logical_axis_rules):
         params, rest = make()
-    opt_state = jax.jit(tx.init)(params)
+    opt_state = jax.jit(tx.init, out_shardings=jax.tree.map(lambda x: x.sharding, abstract.opt_state))(params)
     step, skipped, skipped_total = _counters(mesh)
-    # optax's count comes out on one device: replicate it over the mesh, or a state restored
-    # across processes lands on devices the step's other inputs do not share.
-    replicated = NamedSharding(mesh, PartitionSpec())
-    opt_state = jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding)
-                             else jax.device_put(x, replicated, may_alias=False), opt_state)
     state = TrainState(step=step, params=params, rest=rest, opt_state=opt_state, skipped=skipped,
                        skipped_total=skipped_total)
     return gd, tx, sched, state
@@ -114,4 +108,5 @@ def load_parameters(cfg, gd, state: TrainState, tx) -> TrainState:
     load_into(model, cfg.load_parameters_path, cfg)
     _, params, rest = nnx.split(model, trainable_filter(cfg), ...)
     params, rest = jax.device_put((params, rest), shardings)
-    return state.replace(params=params, rest=rest, opt_state=jax.jit(tx.init)(params))
+    opt_state = jax.jit(tx.init, out_shardings=jax.tree.map(lambda x: x.sharding, state.opt_state))(params)
+    return state.replace(params=params, rest=rest, opt_state=opt_state)
