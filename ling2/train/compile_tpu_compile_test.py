@@ -3,8 +3,8 @@ CPU host (tpu venv): fsdp, expert and tensor axes > 1 on one slice, and a 2-slic
 
 ling2-micro (a dense and an MoE layer, MLA and GLA, MTP) with gradient accumulation and full remat.
 References: libtpu's devices (slice indices), a hand count of the parameter bytes per chip from
-the parameter shapes and mesh sizes, and Ling2's own FLOP count (XLA's must agree within 2x:
-the count leaves out norms, routing and the recompute of remat)."""
+the parameter shapes and mesh sizes, and Ling2's own FLOP count (XLA's, per micro-batch loop
+trip, between 1x and 2.5x of it: the count leaves out norms, routing and remat's recompute)."""
 
 import jax
 import numpy as np
@@ -27,7 +27,11 @@ def check_plan(p):
     assert p["fits"] and p["compile_s"] > 0
     assert p["argument_bytes"] >= p["params_bytes"] + p["opt_state_bytes"] + p["batch_bytes"]
     assert p["opt_state_bytes"] > 1.9 * p["params_bytes"]  # Adam's mu and nu in the parameters' shardings
-    assert 0.5 < p["xla_flops_per_chip"] / p["ling2_flops_per_chip"] < 2.0
+    # XLA counts the accumulation loop's body once; x M it is the step's: the model's FLOPs, full
+    # remat's forward recompute (x 4/3), and what the count leaves out (norms, routing, RoPE).
+    assert p["xla_flops_per_chip_x_accum"] == 2 * p["xla_flops_per_chip"]
+    assert 1.0 < p["xla_flops_per_chip_x_accum"] / p["ling2_flops_per_chip"] < 2.5
+    assert p["mfu_at_peak"] == pytest.approx(p["ling2_flops_per_chip"] / p["xla_flops_per_chip_x_accum"])
     assert p["temp_bytes"] > 0 and p["total_bytes"] < p["hbm_bytes"]
 
 

@@ -1,0 +1,102 @@
+"""Compile-only plans of the full Ling2 model (`model_name=ling2`, 17.4B parameters) at seq 4096 and
+>= 1M tokens per step on v5p-64, v5p-256 and v6e-256, through `//ling2/train:compile` (the
+trainer's own step, the real XLA:TPU compiler, on this CPU host). Each plan runs in its own
+process, one after another; the table gives per chip what XLA plans, the host's peak RSS of that
+process, and the full-logits loss (loss_vocab_blocks=0) beside the vocab-blocked one as a ratio.
+
+  bazel run --config=tpu //tools/bench/compile:bench -- [--only NAME ...] [--out FILE]
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+from ling2.config.paths import user_path
+
+GiB = 1024**3
+SEQ = ["model_name=ling2", "max_target_length=4096", "scan_layers=true"]
+
+# name -> (topology, num_slices, overrides). 256 sequences x 4096 = 1,048,576 tokens per step.
+PLANS = {
+    "v5p-64": ("v5p-64", 1, ["ici_fsdp_parallelism=4", "ici_expert_parallelism=8", "per_device_batch_size=1",
+                             "gradient_accumulation_steps=8", "remat_policy=full"]),
+    "v5p-64 full logits": ("v5p-64", 1, ["ici_fsdp_parallelism=4", "ici_expert_parallelism=8",
+                                         "per_device_batch_size=1", "gradient_accumulation_steps=8",
+                                         "remat_policy=full", "loss_vocab_blocks=0"]),
+    "v5p-256": ("v5p-256", 1, ["ici_fsdp_parallelism=16", "ici_expert_parallelism=8", "per_device_batch_size=1",
+                               "gradient_accumulation_steps=2", "remat_policy=full"]),
+    "v6e-256": ("v6e-256", 1, ["ici_fsdp_parallelism=32", "ici_expert_parallelism=8", "per_device_batch_size=1",
+                               "gradient_accumulation_steps=1", "remat_policy=full"]),
+}
+BASELINE = {"v5p-64 full logits": "v5p-64"}
+
+
+def run_plan(name, topology, num_slices, overrides, outdir):
+    """Runs the compile binary in a child process; returns its plan (JSON), exit code and peak RSS."""
+    out = os.path.join(outdir, name.replace(" ", "_") + ".json")
+    cmd = [sys.executable, "-m", "ling2.train.compile", f"--topology={topology}", f"--num_slices={num_slices}",
+           f"--out={out}", "--", *SEQ, *overrides]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), JAX_PLATFORMS="cpu")
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = [line for line in proc.stdout if not line.startswith(("W1", "I1", "E0"))]  # libtpu's log lines
+    _, status, usage = os.wait4(proc.pid, 0)  # the child's own peak RSS (kB on Linux)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    print("".join(lines[-25:]), flush=True)
+    plan = json.load(open(out)) if os.path.exists(out) else {"error": [x.strip() for x in lines[-3:]]}
+    plan.update(name=name, exit_code=proc.returncode, wall_s=time.time() - t0, overrides=overrides,
+                host_rss_bytes=usage.ru_maxrss * 1024)
+    return plan
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="*", default=None, help="Plan names to run (default: all).")
+    ap.add_argument("--out", default="compile_bench.json")
+    ap.add_argument("--outdir", default="compile_plans")
+    a = ap.parse_args()
+    outdir = str(user_path(a.outdir))
+    os.makedirs(outdir, exist_ok=True)
+    results = []
+    for name, (topo, slices, over) in PLANS.items():
+        if a.only and name not in a.only:
+            continue
+        results.append(run_plan(name, topo, slices, over, outdir))
+    print(table(results))
+    with open(user_path(a.out), "w") as f:
+        json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "host": platform.node(),
+                   "load_avg": os.getloadavg(), "plans": results}, f, indent=1)
+
+
+def table(results) -> str:
+    by = {r["name"]: r for r in results}
+    cols = ["plan", "mesh (d,f,e,t)", "M x b", "params", "opt", "temp", "total GiB", "HBM", "fits", "compile s",
+            "RSS GB", "step s", "MFU", "total vs"]
+    rows = []
+    for r in results:
+        if "total_bytes" not in r:
+            rows.append([r["name"], "error: " + " ".join(r.get("error", []))[:80]] + [""] * (len(cols) - 2))
+            continue
+        g = lambda k: f"{r[k] / GiB:.2f}" if k in r else "-"
+        base = by.get(BASELINE.get(r["name"], ""))
+        rows.append([
+            r["name"], ",".join(str(v) for v in r["mesh"].values()),
+            f"{r['gradient_accumulation_steps']} x {r['micro_batch_seqs']}", g("params_bytes"), g("opt_state_bytes"),
+            g("temp_bytes"), g("total_bytes"), g("hbm_bytes"), "yes" if r["fits"] else "no",
+            f"{r['compile_s']:.0f}", f"{r['host_rss_bytes'] / 1e9:.2f}" if "host_rss_bytes" in r else "-",
+            f"{r['step_s_at_peak']:.2f}" if "step_s_at_peak" in r else "-",
+            f"{100 * r['mfu_at_peak']:.0f}%" if "mfu_at_peak" in r else "-",
+            f"{r['total_bytes'] / base['total_bytes']:.2f}x {base['name']}" if base and "total_bytes" in base else "",
+        ])
+    w = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
+    fmt = lambda row: "  ".join(str(x).ljust(n) for x, n in zip(row, w))
+    return "\n".join([fmt(cols), fmt(["-" * n for n in w])] + [fmt(r) for r in rows])
+
+
+if __name__ == "__main__":
+    main()
