@@ -23,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from ling2.checkpoint.safetensors_io import INDEX_NAME, PlannedWriter, ShardedReader
+from ling2.checkpoint.safetensors_io import INDEX_NAME, PlannedWriter, SafetensorsError, ShardedReader
 from ling2.config import load_config, to_yaml
 from ling2.config.loader import load_yaml
 from ling2.layers.model import abstract_model
@@ -158,13 +158,20 @@ def _load_state(ckpt_dir, cfg) -> dict:
     path = Path(ckpt_dir).absolute() / STATE_NAME
     leaves = abstract_state(cfg)
     if (path / INDEX_NAME).is_file():  # a state directory: one safetensors tensor per leaf
-        reader = ShardedReader(path)
-        check_shapes({tuple(n.split("/")): reader.shape(n) for n in reader.names()}, leaves, str(path))
-        return unflat({p: reader.read(key(p)) for p in leaves})
+        try:
+            reader = ShardedReader(path)
+            check_shapes({tuple(n.split("/")): reader.shape(n) for n in reader.names()}, leaves, str(path))
+            return unflat({p: reader.read(key(p)) for p in leaves})
+        except SafetensorsError as e:
+            raise CheckpointError(str(e)) from None
     if not path.is_dir():
         raise CheckpointError(f"{path}: no state directory or orbax state item")
-    with ocp.StandardCheckpointer() as ckptr:
-        tree = ckptr.restore(path)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            tree = ckptr.restore(path)
+    except (ValueError, OSError, KeyError) as e:  # orbax/tensorstore on a damaged item
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise CheckpointError(f"{path}: unreadable orbax state item: {first[:500]}") from None
     if "params" in tree and "decoder" not in tree:  # trainer TrainState: trainable params + the rest
         items = flat(tree["params"])
         items.update(flat(tree.get("rest") or {}))
