@@ -282,12 +282,12 @@ class Checkpointer:
         return good
 
     def check_resume_config(self, step: int, cfg, global_batch: Optional[int] = None) -> list[str]:
-        """`check_resume_config` of this step's saved config (and global batch) against `cfg`; a step
-        saved without a config gets a warning instead."""
+        """`check_resume_config` of this step's saved config (and global batch) against `cfg`."""
         d = self.step_dir(step)
-        if not (d / CONFIG_ITEM).is_dir():
-            return [f"warning: {d} has no saved config; the config cannot be checked against it"]
-        meta = json.loads((d / "meta" / "metadata").read_text()) if (d / "meta" / "metadata").is_file() else {}
+        try:
+            meta = json.loads((d / "meta" / "metadata").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{d / 'meta' / 'metadata'}: unreadable ({e})") from None
         return check_resume_config(saved_config(d), cfg, meta.get("global_batch"), global_batch)
 
     def due(self, step: int) -> bool:

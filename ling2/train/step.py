@@ -99,7 +99,8 @@ def train_step(graphdef, tx, cfg, state: TrainState, batch: dict, lr_fn):
     skipped = jnp.where(finite, 0, state.skipped + 1)
     new_state = TrainState(step=state.step + 1, params=params, rest=rest, opt_state=opt_state, skipped=skipped,
                            skipped_total=state.skipped_total + (~finite).astype(jnp.int32))
-    metrics = {"loss": loss, "grad_norm": gnorm, "lr": lr_fn(updates_applied(state.opt_state)), "finite": finite.astype(F32), "tokens": sums["tokens"],
+    metrics = {"loss": loss, "grad_norm": gnorm, "lr": lr_fn(updates_applied(state.opt_state)),
+               "finite": finite.astype(F32), "tokens": sums["tokens"],
                "aux_loss": sums["aux_loss"] / M, "accuracy": sums["hits"] / jnp.maximum(sums["tokens"], 1)}
     if cfg.mtp_num_layers:
         mtp = (sums["mtp_ce"] / jnp.maximum(sums["mtp_tokens"], 1) if cfg.calculate_per_token_loss
