@@ -173,7 +173,7 @@ def check_resume_config(saved, cfg, saved_global_batch: Optional[int] = None,
 
 def _all_processes(flags: list[bool]) -> list[bool]:
     """Element-wise OR of `flags` over all processes (every process gets the same answer)."""
-    if jax.process_count() == 1:
+    if jax.process_count() == 1 or not flags:
         return flags
     from jax.experimental import multihost_utils
     got = multihost_utils.process_allgather(np.asarray(flags, np.int32))

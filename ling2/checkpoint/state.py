@@ -21,10 +21,11 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import yaml
 from flax import nnx
 
 from ling2.checkpoint.safetensors_io import INDEX_NAME, PlannedWriter, SafetensorsError, ShardedReader
-from ling2.config import load_config, to_yaml
+from ling2.config import ConfigError, load_config, to_yaml
 from ling2.config.loader import load_yaml
 from ling2.layers.model import abstract_model
 from ling2.layers.plan import layer_plan
@@ -91,7 +92,16 @@ def read_config(path, *overrides):
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: Ling2 config not found")
-    return load_config(load_yaml(path.read_text()), *overrides)
+    try:
+        data = load_yaml(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: malformed YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: not a Ling2 config (a mapping of key: value)")
+    try:
+        return load_config(data, *overrides)
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def state_writer(out_dir, cfg, order=()) -> PlannedWriter:
@@ -150,6 +160,8 @@ def load_state(ckpt_dir, cfg) -> dict:
     if saved.is_file():
         saved_cfg = read_config(saved)
         if saved_cfg.scan_layers != cfg.scan_layers:
+            relaid = abstract_state(saved_cfg.model_copy(update={"scan_layers": cfg.scan_layers}))
+            check_shapes({p: v.shape for p, v in relaid.items()}, abstract_state(cfg), str(Path(ckpt_dir)))
             return relayout(_load_state(ckpt_dir, saved_cfg), saved_cfg, cfg)
     return _load_state(ckpt_dir, cfg)
 

@@ -238,7 +238,7 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
         step = start
         while step < cfg.steps:
             if sig.stop(step):
-                why = f"received {sig.received}" if sig.received else "stop requested by another process (SIGTERM)"
+                why = f"received {sig.received}" if sig.received else "stop requested (SIGTERM to one of the processes)"
                 log(f"{why}: saving a checkpoint at step {step} and exiting")
                 stopped = True
                 break
