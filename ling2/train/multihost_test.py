@@ -37,9 +37,14 @@ def test_two_process_multihost_run_completes_and_resumes(tmp_path):
 
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     procs = start_two_processes(tmp_path, "steps=100000", "checkpoint_period=100000")
-    e2e.wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and len(e2e.losses(tmp_path)) >= 1, procs[0], 600)
-    procs[1].send_signal(signal.SIGTERM)  # process 0 gets no signal
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+    try:
+        e2e.wait_for(lambda: e2e.logged(tmp_path) >= 1, procs[0], 600)
+        procs[1].send_signal(signal.SIGTERM)  # process 0 gets no signal
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs
     stops = [re.findall(r"saving a checkpoint at step (\d+) and exiting", out) for out in outs]
     assert len(stops[0]) == len(stops[1]) == 1 and stops[0] == stops[1], outs

@@ -36,7 +36,7 @@ def test_kill9_then_resume_reproduces_uninterrupted_losses(tmp_path):
 
 def test_sigterm_saves_and_exits_zero(tmp_path):
     p = e2e.start(tmp_path, "steps=100000", "checkpoint_period=1000")
-    e2e.wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and len(e2e.losses(tmp_path)) >= 2, p)
+    e2e.wait_for(lambda: e2e.logged(tmp_path) >= 2, p)
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out

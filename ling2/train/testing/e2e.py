@@ -28,6 +28,12 @@ def losses(run_dir) -> dict:
     return {r["step"]: r["loss"] for r in read_metrics(Path(run_dir) / "metrics.jsonl")}
 
 
+def logged(run_dir) -> int:
+    """How many whole records metrics.jsonl holds so far (0 before the file or its first line exists)."""
+    p = Path(run_dir) / "metrics.jsonl"
+    return p.read_text().count("\n") if p.exists() else 0
+
+
 def start(run_dir, *overrides, **extra_env):
     """Starts the trainer on the micro model with extra key=value overrides."""
     return subprocess.Popen(binary() + [f"--run_dir={run_dir}", "--notensorboard", "--", *MICRO, *overrides],
