@@ -1,8 +1,8 @@
 """The trainer's checkpoints: orbax step directories of the train state, the grain iterator state and the step.
 
-Layout: {run_dir}/checkpoints/{step}/{state,data,meta}. `latest_step` + `restore` give automatic
-resume. Restoring into a model of another shape fails with a `CheckpointError` naming every
-mismatched parameter and both shapes.
+Layout: {run_dir}/checkpoints/{step}/{state,data,meta}, meta holding the step and the resolved config.
+`latest_step` + `restore` give automatic resume. Restoring into a model of another shape fails with a
+`CheckpointError` naming every mismatched parameter and both shapes.
 
 An async save blocks the loop only while it copies the state (later steps donate its buffers;
 accelerators copy to pinned host memory) and takes the data position; a background thread then runs
@@ -21,6 +21,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ling2.checkpoint.state import CheckpointError
+from ling2.config import to_yaml
+
+CONFIG_KEY = "config"  # the resolved config YAML each step's `meta` item records
 
 
 def _path_str(path) -> str:
@@ -55,6 +58,7 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self.directory.mkdir(parents=True, exist_ok=True)  # orbax: no create=True with active_processes
         self.period = cfg.checkpoint_period
+        self.config_yaml = to_yaml(cfg)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.max_checkpoints_to_keep,
             enable_async_checkpointing=False,  # our thread runs the whole save
@@ -79,7 +83,8 @@ class Checkpointer:
 
     def save(self, step: int, state, data_iter, meta: dict, force: bool = False) -> bool:
         """Saves every `checkpoint_period`-th step (any step with force), never one at or before the last
-        saved. Async: returns once `state` and the data position are copied."""
+        saved. Async: returns once `state` and the data position are copied. `meta` gets the resolved
+        config as YAML under CONFIG_KEY (what `ling2.checkpoint.state.read_config` of the step reads)."""
         if self._pending is not None and self._pending[1].done():
             self.wait()  # a failed background save surfaces at the next step
         if self._last is not None and step <= self._last:
@@ -89,6 +94,7 @@ class Checkpointer:
         self.wait()
         if self._pool is not None:
             state = snapshot(state, None if jax.default_backend() == "cpu" else "pinned_host")
+        meta = {**meta, CONFIG_KEY: self.config_yaml}
         args = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
         if data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointSave(_DataState(data_iter))

@@ -73,7 +73,11 @@ def abstract_state(cfg, mesh, seed: Optional[int] = None):
 
 
 def _with_shardings(tree, shardings):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    """ShapeDtypeStructs of `tree`'s leaves with the shardings of `shardings`' leaves, in leaf order
+    (`state_shardings` puts a sharding where a Variable was, so the two trees differ in nodes)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                                        for x, s in zip(leaves, jax.tree.leaves(shardings), strict=True)])
 
 
 def init_state(cfg, mesh, seed: Optional[int] = None):

@@ -1,0 +1,133 @@
+"""A Ling2Model for inference from any checkpoint directory Ling2 writes or reads.
+
+`--ckpt` may be
+  a trainer run directory ({run}: its latest step under checkpoints/),
+  a trainer step directory ({run}/checkpoints/{step}: state/ + meta/, the config recorded in meta),
+  a Ling2 state directory (config.yml + state/, the converter's output), or
+  a Hugging Face directory (config.json + safetensors; converted in memory).
+The model is built unscanned (decode slices no stacked weights) and with the dropless MoE
+(`INFER_OVERRIDES`); the weights are re-laid out when the checkpoint was scanned.
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ling2.checkpoint.manager import CONFIG_KEY
+from ling2.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, ShardedReader
+from ling2.checkpoint.state import CONFIG_NAME, STATE_NAME, CheckpointError, load_state, read_config, relayout
+from ling2.config import ConfigError, load_config
+from ling2.config.loader import load_yaml
+from ling2.config.paths import user_path
+from ling2.convert import convert, hf_config
+from ling2.layers.model import Ling2Model
+
+REPO = Path(os.path.abspath(__file__)).parents[2]  # the runfiles tree under Bazel
+
+# Inference runs every layer unscanned, every MoE dropless (no capacity drops at any batch size).
+INFER_OVERRIDES = {"scan_layers": False, "sparse_matmul": True, "remat_policy": "none"}
+
+
+class InferError(ValueError):
+    """Bad input to generation or evaluation (checkpoint, prompt, flag); the message names it. CLIs exit 2."""
+
+
+class Loaded(NamedTuple):
+    cfg: object  # the inference config (INFER_OVERRIDES applied)
+    model: Ling2Model
+    kind: str  # "run", "step", "state" or "hf"
+    path: Path  # the directory the weights came from
+    stop_ids: tuple  # end-of-sequence ids: config.json's eos_token_id (HF), else (cfg.eod_id,)
+
+
+def find_file(p: str) -> Path:
+    """A user path if it exists, else the same path inside the repository (bundled data, tokenizer)."""
+    up = user_path(p)
+    return up if up.exists() or Path(p).is_absolute() else REPO / p
+
+
+def latest_step_dir(run_dir: Path) -> Path:
+    """{run}/checkpoints/{largest step} (orbax's finished step directories are plain integers)."""
+    steps = sorted((int(p.name), p) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit() and p.is_dir())
+    if not steps:
+        raise InferError(f"--ckpt={run_dir}: a run directory with no finished checkpoint under checkpoints/")
+    return steps[-1][1]
+
+
+def kind_of(path: Path) -> str:
+    """Which of the four layouts `path` is (see the module doc); InferError when none."""
+    if not path.exists():
+        raise InferError(f"--ckpt={path}: no such directory")
+    if not path.is_dir():
+        raise InferError(f"--ckpt={path}: not a directory")
+    if (path / "config.json").is_file() and ((path / INDEX_NAME).is_file() or (path / SINGLE_NAME).is_file()):
+        return "hf"
+    if (path / CONFIG_NAME).is_file() and (path / STATE_NAME).is_dir():
+        return "state"
+    if (path / STATE_NAME).is_dir() and (path / "meta").is_dir():
+        return "step"
+    if (path / "checkpoints").is_dir():
+        return "run"
+    raise InferError(f"--ckpt={path}: not a checkpoint: expected a trainer run directory (checkpoints/), a step "
+                     f"directory (state/ and meta/), a Ling2 state directory ({CONFIG_NAME} and {STATE_NAME}/) or a "
+                     f"Hugging Face directory (config.json and {INDEX_NAME} or {SINGLE_NAME})")
+
+
+def step_config_yaml(step_dir: Path) -> str:
+    """The resolved config a trainer step recorded in its meta item, else {run}/config.yml."""
+    for meta in sorted((step_dir / "meta").glob("*")):
+        if meta.is_file():
+            try:
+                data = json.loads(meta.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(data, dict) and isinstance(data.get(CONFIG_KEY), str):
+                return data[CONFIG_KEY]
+    run_config = step_dir.parent.parent / CONFIG_NAME
+    if run_config.is_file():
+        return run_config.read_text()
+    raise InferError(f"--ckpt={step_dir}: the step records no config (meta/ has no {CONFIG_KEY!r}; written by "
+                     f"trainers before it did) and {run_config} does not exist; write the run's resolved config "
+                     f"there (`./bazelw run //ling2/config:show -- ...`)")
+
+
+def _model(cfg, state: dict) -> Ling2Model:
+    model = nnx.eval_shape(lambda: Ling2Model(cfg, rngs=nnx.Rngs(0)))
+    graph_state = nnx.state(model)
+    nnx.replace_by_pure_dict(graph_state, jax.tree.map(jnp.asarray, state))
+    nnx.update(model, graph_state)
+    return model
+
+
+def load_model(ckpt, *overrides, progress: bool = False) -> Loaded:
+    """The model and config of checkpoint directory `ckpt`; `overrides` ("key=value" or mappings) apply
+    to its config (model-shape changes fail with the checkpoint's mismatch error)."""
+    path = Path(ckpt)
+    kind = kind_of(path)
+    step_dir = latest_step_dir(path) if kind == "run" else path
+    try:
+        if kind == "hf":
+            hf = convert.read_hf_config(path)
+            layout = hf_config.detect_layout(hf)
+            cfg = hf_config.load_ling2_config(hf, layout, *overrides, INFER_OVERRIDES)
+            state = convert.hf_to_state(ShardedReader(path), cfg, layout, progress=progress)
+            eos = hf.get("eos_token_id")
+            stop = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return Loaded(cfg, _model(cfg, state), kind, path, stop)
+        if kind == "state":
+            cfg = read_config(path / CONFIG_NAME, *overrides, INFER_OVERRIDES)
+            state = load_state(path, cfg)
+        else:
+            recorded = load_yaml(step_config_yaml(step_dir))
+            saved, cfg = load_config(recorded), load_config(recorded, *overrides, INFER_OVERRIDES)
+            state = load_state(step_dir, saved)
+            if saved.scan_layers != cfg.scan_layers:
+                state = relayout(state, saved, cfg)
+    except (CheckpointError, ConfigError, convert.ConversionError, hf_config.HFConfigError) as e:
+        raise InferError(f"--ckpt={step_dir}: {e}") from e
+    return Loaded(cfg, _model(cfg, state), kind, step_dir, (cfg.eod_id,))
