@@ -4,7 +4,8 @@
   a trainer run directory ({run}: its latest step under checkpoints/),
   a trainer step directory ({run}/checkpoints/{step}: state/ + meta/, the config recorded in meta),
   a Ling2 state directory (config.yml + state/, the converter's output), or
-  a Hugging Face directory (config.json + safetensors; converted in memory).
+  a Hugging Face directory (config.json + safetensors; converted in memory, computing in its
+  torch_dtype, stopping at its eos_token_id).
 The model is built unscanned (decode slices no stacked weights) and with the dropless MoE
 (`INFER_OVERRIDES`); the weights are re-laid out when the checkpoint was scanned.
 """
@@ -49,6 +50,24 @@ def find_file(p: str) -> Path:
     """A user path if it exists, else the same path inside the repository (bundled data, tokenizer)."""
     up = user_path(p)
     return up if up.exists() or Path(p).is_absolute() else REPO / p
+
+
+# A HF checkpoint computes in its own dtype (what transformers does with torch_dtype="auto").
+HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def hf_stop_ids(path: Path, hf: dict) -> tuple:
+    """eos_token_id of generation_config.json (what transformers' generate stops at), else config.json's."""
+    gen = path / "generation_config.json"
+    eos = hf.get("eos_token_id")
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+        except json.JSONDecodeError as e:
+            raise InferError(f"{gen}: malformed JSON: {e}") from None
+    if eos is None:
+        return ()
+    return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
 
 
 def latest_step_dir(run_dir: Path) -> Path:
@@ -114,11 +133,10 @@ def load_model(ckpt, *overrides, progress: bool = False) -> Loaded:
         if kind == "hf":
             hf = convert.read_hf_config(path)
             layout = hf_config.detect_layout(hf)
-            cfg = hf_config.load_ling2_config(hf, layout, *overrides, INFER_OVERRIDES)
+            dtype = HF_DTYPES.get(str(hf.get("torch_dtype", hf.get("dtype", ""))), "float32")
+            cfg = hf_config.load_ling2_config(hf, layout, {"dtype": dtype}, *overrides, INFER_OVERRIDES)
             state = convert.hf_to_state(ShardedReader(path), cfg, layout, progress=progress)
-            eos = hf.get("eos_token_id")
-            stop = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            return Loaded(cfg, _model(cfg, state), kind, path, stop)
+            return Loaded(cfg, _model(cfg, state), kind, path, hf_stop_ids(path, hf))
         if kind == "state":
             cfg = read_config(path / CONFIG_NAME, *overrides, INFER_OVERRIDES)
             state = load_state(path, cfg)

@@ -14,7 +14,7 @@ from ling2.checkpoint.manager import Checkpointer
 from ling2.checkpoint.state import save_state
 from ling2.config import load_config, to_yaml
 from ling2.convert import convert
-from ling2.infer.load import InferError, kind_of, load_model
+from ling2.infer.load import InferError, hf_stop_ids, kind_of, load_model
 from ling2.infer.testing.models import MICRO
 from ling2.layers.model import Ling2Model
 from ling2.train.optim import make_optimizer
@@ -84,3 +84,13 @@ def test_bad_directories_are_named(saved, tmp_path):
         load_model(tmp_path / "r")
     with pytest.raises(InferError, match="does not match the config"):
         load_model(tmp / "state", "base_emb_dim=32")
+
+
+def test_hf_stop_ids_follow_generation_config_then_config(tmp_path):
+    assert hf_stop_ids(tmp_path, {}) == ()
+    assert hf_stop_ids(tmp_path, {"eos_token_id": 9}) == (9,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert hf_stop_ids(tmp_path, {"eos_token_id": 9}) == (5, 7)
+    (tmp_path / "generation_config.json").write_text("{")
+    with pytest.raises(InferError, match="generation_config.json: malformed JSON"):
+        hf_stop_ids(tmp_path, {})
