@@ -17,11 +17,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ling2.checkpoint.manager import CONFIG_KEY
 from ling2.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, ShardedReader
-from ling2.checkpoint.state import CONFIG_NAME, STATE_NAME, CheckpointError, load_state, read_config, relayout
+from ling2.checkpoint.state import (CONFIG_NAME, STATE_NAME, CheckpointError, abstract_state, check_shapes, flat,
+                                    load_state, read_config, relayout)
 from ling2.config import ConfigError, load_config
 from ling2.config.loader import load_yaml
 from ling2.config.paths import user_path
@@ -138,14 +140,16 @@ def load_model(ckpt, *overrides, progress: bool = False) -> Loaded:
             state = convert.hf_to_state(ShardedReader(path), cfg, layout, progress=progress)
             return Loaded(cfg, _model(cfg, state), kind, path, hf_stop_ids(path, hf))
         if kind == "state":
-            cfg = read_config(path / CONFIG_NAME, *overrides, INFER_OVERRIDES)
-            state = load_state(path, cfg)
+            saved, cfg = read_config(path / CONFIG_NAME), read_config(path / CONFIG_NAME, *overrides, INFER_OVERRIDES)
         else:
             recorded = load_yaml(step_config_yaml(step_dir))
             saved, cfg = load_config(recorded), load_config(recorded, *overrides, INFER_OVERRIDES)
-            state = load_state(step_dir, saved)
-            if saved.scan_layers != cfg.scan_layers:
-                state = relayout(state, saved, cfg)
+        state = load_state(step_dir, saved)
+        same_layout = cfg.model_copy(update={"scan_layers": saved.scan_layers})
+        check_shapes({p: np.shape(v) for p, v in flat(state).items()}, abstract_state(same_layout),
+                     f"{step_dir} (with the overrides {list(overrides)})")
+        if saved.scan_layers != cfg.scan_layers:
+            state = relayout(state, saved, cfg)
     except (CheckpointError, ConfigError, convert.ConversionError, hf_config.HFConfigError) as e:
         raise InferError(f"--ckpt={step_dir}: {e}") from e
     return Loaded(cfg, _model(cfg, state), kind, step_dir, (cfg.eod_id,))

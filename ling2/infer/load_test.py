@@ -41,7 +41,7 @@ def saved(tmp_path_factory):
     return tmp, cfg, ids, want
 
 
-@pytest.mark.parametrize("where,kind", [("run", "step"), ("run/checkpoints/4", "step"), ("state", "state"),
+@pytest.mark.parametrize("where,kind", [("run", "run"), ("run/checkpoints/4", "step"), ("state", "state"),
                                         ("hf", "hf")])
 def test_every_layout_loads_the_same_model(saved, where, kind):
     tmp, cfg, ids, want = saved
