@@ -54,7 +54,7 @@ def evaluate(model, cfg, data_path: str, find_file, split: str = "valid", max_ba
     which = (np.asarray(dataset.dataset_index, np.int64) if isinstance(dataset, BlendedDataset)
              else np.zeros(len(dataset), np.int64))
     graphdef, state = nnx.split(model)
-    sums = jax.jit(_row_sums, static_argnums=0)
+    sums = jax.jit(lambda state, mb: _row_sums(graphdef, state, mb))
     C = len(prefixes)
     ce, tok = np.zeros(C), np.zeros(C)
     for t in range(n):
@@ -62,7 +62,7 @@ def evaluate(model, cfg, data_path: str, find_file, split: str = "valid", max_ba
         rows = which[t * gbs:(t + 1) * gbs]
         for m in range(0, gbs, b):
             mb = {k: np.asarray(v)[m:m + b] for k, v in batch.items()}
-            s, w = (np.asarray(x, np.float64) for x in sums(graphdef, state, mb))
+            s, w = (np.asarray(x, np.float64) for x in sums(state, mb))
             np.add.at(ce, rows[m:m + b], s)
             np.add.at(tok, rows[m:m + b], w)
         log(f"batch {t + 1}/{n}: loss so far {ce.sum() / max(tok.sum(), 1):.4f}")
