@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ling2.config import load_config
-from ling2.checkpoint.manager import CheckpointError, Checkpointer, snapshot
+from ling2.config import load_config, to_yaml
+from ling2.checkpoint.manager import CONFIG_KEY, CheckpointError, Checkpointer, snapshot
 
 
 class Counter:
@@ -53,7 +53,7 @@ def test_async_save_keeps_its_step_while_later_steps_donate(tmp_path):
     ck.close()
     assert ck.manager.all_steps() == [2]
     back, meta = Checkpointer(tmp_path, cfg()).restore(2, state0(), it)
-    assert meta == {"step": 2} and it.n == want_n == 2
+    assert meta == {"step": 2, CONFIG_KEY: to_yaml(cfg())} and it.n == want_n == 2  # the config rides with the step
     for k in want:
         np.testing.assert_array_equal(np.asarray(back[k]), want[k])
 

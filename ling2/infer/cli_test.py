@@ -102,6 +102,6 @@ def test_evaluate_json_equals_the_api(ckpts):
     loaded = load_model(ckpts / "run")
     want = evaluate(loaded.model, loaded.cfg, DATA, find_file, "valid", 2)
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-6) and got["tokens"] == want["tokens"]
-    assert "perplexity" in r.stdout
+    assert r.stdout.splitlines()[0].split()[-1] == "ppl" and f"{want['loss']:.4f}" in r.stdout
     r = run("evaluate", f"--ckpt={ckpts / 'run'}", "--data_path=/nonexistent/prefix")
     assert r.returncode == 2 and "/nonexistent/prefix" in r.stderr

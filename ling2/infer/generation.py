@@ -182,8 +182,7 @@ def _mtp_hidden(model, out):
 
 
 def _prefill_padded(model, ids, pos, seg, S: int, absorb: bool) -> Prefilled:
-    B, T = ids.shape
-    cache = model.decoder.init_cache(B, S)
+    cache = model.decoder.init_cache(ids.shape[0], S)
     out, cache = model.decoder.decode(ids, pos, cache, seg, return_logits=False, fresh=True, absorb=absorb)
     return Prefilled(cache, _mtp_hidden(model, out), model.decoder.logits(out.hidden[:, -1:])[:, 0])
 
@@ -231,7 +230,7 @@ class Loop(NamedTuple):
     done: jax.Array  # [B] bool
     step: jax.Array  # main forwards so far (prefill excluded)
     key: jax.Array
-    # speculative only (empty tuples otherwise)
+    # speculative only (empty or None otherwise)
     mtp: tuple = ()  # per depth: its decode cache
     hbuf: jax.Array = None  # [B, W, E] main hidden at positions pos-W .. pos-1
     tbuf: jax.Array = None  # [B, W + 1] tokens at positions pos-W .. pos
