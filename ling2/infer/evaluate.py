@@ -36,6 +36,9 @@ def table(res: dict) -> str:
 
 
 def main(argv):
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)  # library INFO chatter (orbax) off
     from ling2.infer.evaluation import evaluate
     from ling2.infer.load import InferError, find_file, load_model
 

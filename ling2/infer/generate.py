@@ -109,6 +109,9 @@ def load_tokenizer(loaded, needed: bool):
 
 
 def main(argv):
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)  # library INFO chatter (orbax) off
     from ling2.infer.generation import Sampling, check_sampling
     from ling2.infer.load import InferError, load_model
 
