@@ -1,7 +1,7 @@
 """Benchmark of generation: prints a table and writes JSON.
 
 1. ling2-small (random weights; --model to change): prefill tokens/s at each context (B=1),
-   decode tokens/s at each batch and context, with the MLA decode absorbed (attention in the
+   decode tokens/s at each batch and context (compute in --dtype), with the MLA decode absorbed (attention in the
    latent space) and expanded (K/V up-projected from the cached latents every step), side by
    side as a ratio. Decode runs `--steps` tokens inside the jitted loop from a cache filled to
    the context (values do not change the cost: every cached slot is attended, masked or not).
@@ -63,11 +63,11 @@ def cache_bytes(cfg) -> dict:
 
 
 def bench_small(args, log) -> dict:
-    cfg = load_config({"model_name": args.model}, INFER_OVERRIDES)
+    cfg = load_config({"model_name": args.model, "dtype": args.dtype}, INFER_OVERRIDES)
     model = Ling2Model(cfg, rngs=nnx.Rngs(0))
     gd, state = nnx.split(model)
     rng = np.random.default_rng(0)
-    out = {"prefill": [], "decode": []}
+    out = {"model": cfg.model_name, "dtype": cfg.dtype, "prefill": [], "decode": []}
 
     @jax.jit
     def prefill(state, ids):
@@ -161,6 +161,8 @@ def bench_speculative(args, log) -> dict:
 def table(r: dict) -> str:
     lines = [f"# generation benchmark, {r['host']['date']}, {r['host']['backend']}, load {r['host']['load']}", ""]
     if "small" in r:
+        lines += [f"{r['small']['model']}, compute {r['small']['dtype']}, random weights", ""]
+    if "small" in r:
         lines += ["| prefill (B=1) | tokens/s |", "|---|---|"]
         lines += [f"| {p['context']} | {p['tokens_per_s']:,.0f} |" for p in r["small"]["prefill"]]
         lines += ["", "| decode context | batch | absorbed tok/s | expanded tok/s | absorbed / expanded speed |",
@@ -183,6 +185,8 @@ def table(r: dict) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="ling2-small")
+    p.add_argument("--dtype", default="", help="compute dtype (default: float32 on CPU, where XLA's bf16 dots are "
+                   "slow or missing, else the model's)")
     p.add_argument("--contexts", default="512,4096")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--steps", type=int, default=16)
@@ -196,6 +200,7 @@ def main():
     args = p.parse_args()
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
+    args.dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else load_config(model_name=args.model).dtype)
     log = lambda s: print(s, flush=True)  # noqa: E731
     host = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "cpus": os.cpu_count(),
