@@ -106,7 +106,7 @@ def train_step(graphdef, tx, cfg, state: TrainState, batch: dict, lr_fn):
         mtp = (sums["mtp_ce"] / jnp.maximum(sums["mtp_tokens"], 1) if cfg.calculate_per_token_loss
                else sums["mtp_micro_mean"])
         metrics["mtp_loss"] = {f"depth_{k + 1}": mtp[k] for k in range(cfg.mtp_num_layers)}
-        metrics["mtp_acceptance"] = {f"depth_{k + 1}": sums["mtp_correct"][k] / jnp.maximum(sums["mtp_tokens"][k], 1)
+        metrics["mtp_top1_accuracy"] = {f"depth_{k + 1}": sums["mtp_correct"][k] / jnp.maximum(sums["mtp_tokens"][k], 1)
                                      for k in range(cfg.mtp_num_layers)}
         metrics["mtp_total"] = cfg.mtp_loss_scaling_factor * jnp.mean(mtp)
     metrics["moe"] = {"counts": sums["moe_counts"], "stats": sums["moe_stats"]}

@@ -185,4 +185,4 @@ def test_mtp_loss_under_accumulation_follows_main_loss_rule(per_token):
                            mb["segment_ids"])
             means.append(float(mtp_loss(mo.ce_sum, mo.ce_count, 1.0)))
         np.testing.assert_allclose(float(m4["mtp_loss"]["depth_1"]), np.mean(means), rtol=1e-5)
-    assert 0 <= float(m4["mtp_acceptance"]["depth_1"]) <= 1
+    assert 0 <= float(m4["mtp_top1_accuracy"]["depth_1"]) <= 1
