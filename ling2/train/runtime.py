@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ling2.config import ConfigError
 from ling2.config.schema import MESH_AXES
 from ling2.layers import sharding
 
@@ -23,16 +24,18 @@ PEAK_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "b200": 2250e12, "
 
 
 def _sizes(cfg, net: str, count: int) -> list[int]:
-    """Per-axis sizes of cfg.{net}_*_parallelism over `count` devices (ici) or slices (dcn); one -1 fills."""
+    """Per-axis sizes of cfg.{net}_*_parallelism over `count` devices (ici) or slices (dcn); one -1 fills.
+    Raises ConfigError when they do not fit."""
     sizes = [getattr(cfg, f"{net}_{a}_parallelism") for a in MESH_AXES]
     what = "devices per slice" if net == "ici" else "slices"
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if count % known:
-            raise ValueError(f"{net}_*_parallelism: fixed sizes {sizes} do not divide {count} {what}")
+            raise ConfigError(f"{net}_*_parallelism: fixed sizes {dict(zip(MESH_AXES, sizes))} do not divide the "
+                              f"{count} {what}")
         sizes[sizes.index(-1)] = count // known
     if math.prod(sizes) != count:
-        raise ValueError(f"{net}_*_parallelism: {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} {what}, "
+        raise ConfigError(f"{net}_*_parallelism: mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} {what}, "
                          f"have {count}")
     return sizes
 
@@ -40,7 +43,7 @@ def _sizes(cfg, net: str, count: int) -> list[int]:
 def mesh_shapes(cfg, num_devices: int, num_slices: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(ici, dcn) per-axis sizes: ici over the devices of one slice, dcn over the slices."""
     if num_devices % num_slices:
-        raise ValueError(f"{num_devices} devices do not split into {num_slices} equal slices")
+        raise ConfigError(f"{num_devices} devices do not split into {num_slices} equal slices")
     return tuple(_sizes(cfg, "ici", num_devices // num_slices)), tuple(_sizes(cfg, "dcn", num_slices))
 
 
@@ -61,11 +64,6 @@ def hybrid_device_array(slices: list, ici: tuple, dcn: tuple) -> np.ndarray:
     arr = blocks.reshape(*dcn, *ici)  # (d0, d1, .., i0, i1, ..)
     arr = arr.transpose([k for a in range(n) for k in (a, n + a)])  # (d0, i0, d1, i1, ..)
     return arr.reshape([d * i for d, i in zip(dcn, ici)])
-
-
-def num_slices_of(devices) -> int:
-    """Distinct slice indices among `devices` (1 for devices that carry none)."""
-    return len({getattr(d, "slice_index", 0) or 0 for d in devices})
 
 
 def make_mesh(cfg, devices=None) -> Mesh:
