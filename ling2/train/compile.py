@@ -202,6 +202,9 @@ def main(argv) -> int:
     from ling2.config.paths import find_file
 
     logging.set_verbosity(logging.WARNING)
+    if FLAGS.num_slices < 1:
+        print(f"error: bad flag: --num_slices must be >= 1, got {FLAGS.num_slices}", file=sys.stderr)
+        return 2
     if not FLAGS.topology:
         print("error: --topology is required (e.g. --topology=v5p-64)", file=sys.stderr)
         return 2
@@ -231,5 +234,14 @@ def main(argv) -> int:
     return 0 if p["fits"] else 1
 
 
+def parse_flags(argv):
+    """absl's flag parsing, with a bad flag a user error (exit 2)."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        print(f"error: bad flag: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)

@@ -70,6 +70,7 @@ def test_plan_that_does_not_fit(tmp_path):
     (["--topology=v5p-16", "--", *MICRO, "no_such_key=1"], "no_such_key"),
     (["--topology=v5p-16", "--", *MICRO, "remat_policy=some"], "remat_policy"),
     (["--", *MICRO], "--topology"),
+    (["--topology=v5p-16", "--num_slices=0"], "--num_slices"),
 ])
 def test_bad_input_is_a_named_error(args, named, capsys):
     """In-process (the binary's `main` after absl's flag parsing): no compile is reached."""
@@ -80,7 +81,11 @@ def test_bad_input_is_a_named_error(args, named, capsys):
     assert named in err and err.startswith("error:"), err
 
 
-def test_bad_input_exits_2_from_the_binary():
-    r = cli("--topology=v5p-16", "--", *MICRO, "ici_fsdp_parallelism=3")
+@pytest.mark.parametrize("args,named", [
+    (["--topology=v5p-16", "--", *MICRO, "ici_fsdp_parallelism=3"], "error: PlanError: ici_*_parallelism"),
+    (["--topology=v5p-16", "--num_slices=two"], "error: bad flag"),
+])
+def test_bad_input_exits_2_from_the_binary(args, named):
+    r = cli(*args)
     assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-3000:])
-    assert "Traceback" not in r.stderr and "error: PlanError: ici_*_parallelism" in r.stderr
+    assert "Traceback" not in r.stderr and named in r.stderr
