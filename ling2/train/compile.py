@@ -11,7 +11,7 @@ time; FLOPs per step from XLA's cost analysis (which counts a loop body once: sh
 the micro-batches) next to Ling2's own count; the step time the executed FLOPs take at the chip's
 peak and the MFU that step time gives (Ling2's FLOPs over the executed ones: remat's recompute
 and what the count leaves out). With scan_layers XLA's count covers one layer group, and the
-projection uses Ling2's count. The last line is
+projection uses Ling2's count (x 4/3 under full remat). The last line is
 `<topology>: <X> GiB of <Y> GiB per chip (fits)` or `(does not fit, short by Z GiB)`; exit 0 / 1.
 Bad input (unknown topology, a mesh or batch that does not divide the topology, bad config
 keys) exits 2 with the error named.
@@ -143,9 +143,11 @@ def plan(cfg, topo, log=print) -> dict:
     out["xla_flops_per_chip_x_accum"] = out["xla_flops_per_chip"] * cfg.gradient_accumulation_steps
     out["ling2_flops_per_chip"] = training_flops_per_token(cfg) * tokens / chips
     exact = not cfg.scan_layers and out["xla_flops_per_chip"] > 0  # XLA:GPU gives no cost analysis
+    recompute = 4 / 3 if cfg.remat_policy == "full" else 1.0  # full remat runs each forward twice
     out["step_flops_basis"] = "xla" if exact else (
-        "ling2 (scanned layers: XLA counts one layer group)" if cfg.scan_layers else "ling2 (no XLA cost analysis)")
-    executed = out["xla_flops_per_chip_x_accum"] if exact else out["ling2_flops_per_chip"]
+        "ling2 x remat (scanned layers: XLA counts one layer group)" if cfg.scan_layers
+        else "ling2 x remat (no XLA cost analysis)")
+    executed = out["xla_flops_per_chip_x_accum"] if exact else out["ling2_flops_per_chip"] * recompute
     peak = topo.chip.peak_bf16_flops
     out["step_s_at_peak"] = executed / peak
     out["mfu_at_peak"] = out["ling2_flops_per_chip"] / executed
