@@ -22,6 +22,7 @@ from flax import nnx
 from ling2.config import DecoderBlockType
 from ling2.layers import losses, norms
 from ling2.layers.attention_gla import GatedLinearAttention, layer_slopes
+from ling2.layers.attention_kda import KimiDeltaAttention
 from ling2.layers.attention_mla import MLA
 from ling2.layers.embed import Embed, LMHead
 from ling2.layers.moe import MoE
@@ -34,6 +35,7 @@ ACT = ("activation_batch", "activation_length", "activation_embed")
 # Attention kind (cfg.layer_types) -> module(cfg, layer index, rngs=...).
 ATTENTION = {
     "gla": lambda cfg, i, rngs: GatedLinearAttention(cfg, i, rngs=rngs),
+    "kda": lambda cfg, i, rngs: KimiDeltaAttention(cfg, i, rngs=rngs),
     "mla": lambda cfg, i, rngs: MLA(cfg, rngs=rngs),
 }
 
