@@ -1,10 +1,11 @@
-"""A trainer checkpoint (ling2.checkpoint.manager, TrainState fields) exports to HF and converts back unchanged."""
+"""A trainer checkpoint (ling2.checkpoint.manager, TrainState fields) exports to HF with the config saved with
+it (no --config) and converts back unchanged."""
 
 import jax
 import numpy as np
 from flax import nnx
 
-from ling2.config import load_config, to_yaml
+from ling2.config import load_config
 from ling2.convert import convert
 from ling2.checkpoint.manager import Checkpointer
 from ling2.checkpoint.state import load_state
@@ -26,10 +27,8 @@ def test_trainer_step_dir_to_hf_and_back(tmp_path):
     ckpt = Checkpointer(tmp_path / "checkpoints", cfg)
     ckpt.save(3, fields, None, {"step": 3}, force=True)
     ckpt.close()
-    (tmp_path / "config.yml").write_text(to_yaml(cfg))
 
-    convert.convert_ling2_to_hf(tmp_path / "checkpoints" / "3", tmp_path / "hf", config=tmp_path / "config.yml",
-                                progress=False)
+    convert.convert_ling2_to_hf(tmp_path / "checkpoints" / "3", tmp_path / "hf", progress=False)
     back_cfg = convert.convert_hf_to_ling2(tmp_path / "hf", tmp_path / "l2", progress=False)
     back = load_state(tmp_path / "l2", back_cfg)
     want = nnx.to_pure_dict(nnx.merge_state(params, rest))

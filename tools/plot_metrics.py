@@ -20,26 +20,34 @@ flags.DEFINE_string("out", None, "Output PNG (default: next to metrics.jsonl).")
 FLAGS = flags.FLAGS
 
 
-def plot(rows: list[dict], out: Path) -> None:
+def figure(rows: list[dict]):
+    """The loss / learning-rate / throughput figure. Non-finite values (a skipped step's NaN loss) are gaps in
+    numeric axes; a metric a record lacks is a gap too."""
     steps = [r["step"] for r in rows]
+    col = lambda k: [float(r.get(k, float("nan"))) for r in rows]  # noqa: E731
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].plot(steps, [r["loss"] for r in rows], label="train loss")
-    ev = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    axes[0].plot(steps, col("loss"), label="train loss")
+    ev = [(r["step"], float(r["eval_loss"])) for r in rows if "eval_loss" in r]
     if ev:
         axes[0].plot(*zip(*ev), "o-", label="eval loss")
     mtp = sorted({k for r in rows for k in r if k.startswith("mtp_loss/")})
     for k in mtp:
-        axes[0].plot(steps, [r.get(k, float("nan")) for r in rows], "--", label=k)
+        axes[0].plot(steps, col(k), "--", label=k)
     axes[0].set_title("loss")
     axes[0].legend()
-    axes[1].plot(steps, [r["lr"] for r in rows])
+    axes[1].plot(steps, col("lr"))
     axes[1].set_title("learning rate")
-    axes[2].plot(steps, [r["tokens_per_s"] for r in rows])
+    axes[2].plot(steps, col("tokens_per_s"))
     axes[2].set_title("tokens/s")
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
+    return fig
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    fig = figure(rows)
     fig.savefig(out, dpi=100)
     plt.close(fig)
 

@@ -1,10 +1,14 @@
-"""plot_metrics turns metrics.jsonl into a PNG and rejects a malformed file by name and line."""
+"""plot_metrics turns metrics.jsonl into a PNG and rejects a malformed file by name and line; a NaN loss
+(a skipped step, written as the string "nan") stays a gap on a numeric axis."""
 
 import json
+import math
 
+import matplotlib.category
+import numpy as np
 import pytest
 
-from ling2.train.metrics import read_metrics
+from ling2.train.metrics import MetricsWriter, read_metrics
 from tools import plot_metrics
 
 
@@ -28,3 +32,26 @@ def test_malformed_line_named(tmp_path):
     m.write_text('{"step": 1, "loss": 1}\n{oops\n')
     with pytest.raises(ValueError, match=r"metrics\.jsonl:2"):
         read_metrics(m)
+
+
+def test_nan_loss_plots_on_a_numeric_axis(tmp_path):
+    """Written by the trainer's own writer: NaN and inf become "nan"/"inf" strings in the file, floats again when
+    read, and the loss axis stays numeric (not matplotlib's categorical axis of strings), the NaN a gap."""
+    w = MetricsWriter(tmp_path, tensorboard=False)
+    for s, loss in enumerate([5.0, float("nan"), 4.0, float("inf"), 3.0], 1):
+        w.write(s, {"loss": loss, "lr": 1e-3, "tokens_per_s": 100.0})
+    w.write(6, {"loss": 2.5})  # a record without lr or throughput
+    w.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert '"loss": "nan"' in text and '"loss": "inf"' in text
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert math.isnan(rows[1]["loss"]) and rows[3]["loss"] == math.inf
+    fig = plot_metrics.figure(rows)
+    ax = fig.axes[0]
+    assert not isinstance(ax.yaxis.get_converter(), matplotlib.category.StrCategoryConverter)
+    y = np.asarray(ax.lines[0].get_ydata(), dtype=float)
+    np.testing.assert_array_equal(y, [5.0, np.nan, 4.0, np.inf, 3.0, 2.5])
+    lo, hi = ax.get_ylim()
+    assert lo <= 2.5 and 5.0 <= hi < 100  # scaled to the finite losses
+    plot_metrics.plot(rows, tmp_path / "c.png")
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,26 +1,55 @@
-"""The trainer's checkpoints: orbax step directories of the train state, the grain iterator state and the step.
+"""The trainer's checkpoints: orbax step directories of the train state, the grain iterator state,
+the step and the run's resolved config; a checksum of every file; resume from the newest good step.
 
-Layout: {run_dir}/checkpoints/{step}/{state,data,meta}. `latest_step` + `restore` give automatic
-resume. Restoring into a model of another shape fails with a `CheckpointError` naming every
-mismatched parameter and both shapes.
+Layout: {run_dir}/checkpoints/{step}/{state,data,meta,config} + checksums.json. `resume_step` picks
+the newest step that verifies and `restore` restores it; `saved_config(step_dir)` reads a
+checkpoint's config back. Restoring into a model of another shape fails with a `CheckpointError`
+naming every mismatched parameter and both shapes; resuming under a changed config is checked by
+`check_resume_config` (see `ling2.config.schema.resume_class`).
+
+Integrity: once orbax has committed a step, process 0 records the size and CRC-32 of every file
+in it in `checksums.json`, written last (a step without it is an unfinished save). On resume
+every file is checked again (the files are split over the processes); a step that is empty, lacks
+an item or its metadata, or whose bytes changed is reported, moved aside to `{step}.rejected`,
+and the newest good step before it is used.
 
 An async save blocks the loop only while it copies the state (later steps donate its buffers;
 accelerators copy to pinned host memory) and takes the data position; a background thread then runs
 orbax's whole save (orbax's own async mode spends ~0.2 s of per-leaf bookkeeping before returning).
-One save at a time: `wait`, `close` and the next save finish it and raise its error. Orbax's barriers
-go through the jax.distributed client (`active_processes` = all processes), which is safe off the
-main thread; its default device-collective barriers are not.
+One save at a time: `wait`, `close` and the next save finish it and raise its error (one line; a
+full disk is named as such). Orbax's barriers go through the jax.distributed client
+(`active_processes` = all processes), which is safe off the main thread; its default
+device-collective barriers are not.
 """
 
+import errno
+import json
+import logging
+import os
+import shutil
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, Optional
 
 import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ling2.checkpoint.state import CheckpointError
+from ling2.checkpoint.state import CONFIG_NAME, CheckpointError, read_config
+from ling2.config import ConfigError, load_config
+from ling2.config.schema import RESUME_FIXED, RESUME_WARN, resume_class
+
+CHECKSUMS = "checksums.json"
+CONFIG_ITEM = "config"
+REJECTED = ".rejected"
+ITEMS = ("state", "meta", CONFIG_ITEM)  # and "data" when the run has a data iterator
+_CHUNK = 8 << 20
+
+
+class ResumeConfigError(CheckpointError):
+    """Resuming a checkpoint under a config that changes the model, the data or the batch shape."""
 
 
 def _path_str(path) -> str:
@@ -40,6 +69,140 @@ def snapshot(tree, memory_kind=None):
     return jax.tree.unflatten(treedef, leaves)
 
 
+def _crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(step_dir: Path) -> list[str]:
+    """Every file under a step directory but the checksum file, as sorted relative paths."""
+    return sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+
+
+def write_checksums(step_dir) -> dict:
+    """Records {file: [size, crc32]} of every file of a committed step directory in checksums.json
+    (written to a temporary name, then renamed: the file exists only once it is whole)."""
+    step_dir = Path(step_dir)
+    files = {f: [(step_dir / f).stat().st_size, _crc(step_dir / f)] for f in _files(step_dir)}
+    tmp = step_dir / (CHECKSUMS + ".tmp")
+    tmp.write_text(json.dumps({"algorithm": "crc32", "files": files}, indent=0))
+    os.replace(tmp, step_dir / CHECKSUMS)
+    return files
+
+
+def verify(step_dir, items=ITEMS, part: int = 0, parts: int = 1) -> Optional[str]:
+    """None when a step directory is whole, else why not: empty, no checksums.json (an unfinished
+    save), a missing item or file, or a file whose size or CRC-32 differs from the one recorded at
+    save. Only every `parts`-th recorded file from `part` on is read (the processes split them)."""
+    step_dir = Path(step_dir)
+    if not step_dir.is_dir() or not any(step_dir.iterdir()):
+        return "empty directory"
+    path = step_dir / CHECKSUMS
+    if not path.is_file():
+        return f"no {CHECKSUMS} (the save did not finish)"
+    try:
+        files = json.loads(path.read_text())["files"]
+        files = {str(k): (int(v[0]), int(v[1])) for k, v in files.items()}
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, IndexError) as e:
+        return f"{CHECKSUMS} unreadable ({e})"
+    for item in items:
+        if not (step_dir / item).is_dir():
+            return f"item {item!r} missing"
+        if not any(f.startswith(item + "/") for f in files):
+            return f"item {item!r} not in {CHECKSUMS}"
+    gone = [f for f in files if not (step_dir / f).is_file()]
+    if gone:
+        more = f" and {len(gone) - 3} more" if len(gone) > 3 else ""
+        return f"missing file{'s' if len(gone) > 1 else ''} {', '.join(gone[:3])}{more}"
+    for f in sorted(files)[part::parts]:
+        size, crc = files[f]
+        have = (step_dir / f).stat().st_size
+        if have != size:
+            return f"{f}: {have} bytes, {size} when saved"
+        if _crc(step_dir / f) != crc:
+            return f"{f}: checksum mismatch (its bytes changed after the save)"
+    return None
+
+
+def saved_config(step_dir):
+    """The resolved Config saved with a checkpoint: a trainer step directory's `config` item, or a
+    state directory's config.yml (`ling2.checkpoint.state`). Raises CheckpointError when there is none
+    or it does not load under today's schema."""
+    step_dir = Path(step_dir)
+    if (step_dir / CONFIG_NAME).is_file():
+        return read_config(step_dir / CONFIG_NAME)
+    path = step_dir / CONFIG_ITEM / "metadata"
+    if not path.is_file():
+        raise CheckpointError(f"{step_dir}: no saved config (neither {CONFIG_ITEM}/metadata nor {CONFIG_NAME})")
+    try:
+        return load_config(json.loads(path.read_text()))
+    except (json.JSONDecodeError, ConfigError) as e:
+        raise CheckpointError(f"{path}: saved config does not load: {e}") from None
+
+
+def config_changes(saved, cfg) -> dict:
+    """{field: (saved value, new value)} of every field that differs between two configs."""
+    a, b = saved.model_dump(mode="json"), cfg.model_dump(mode="json")
+    return {k: (a.get(k), b[k]) for k in b if a.get(k) != b[k]}
+
+
+def check_resume_config(saved, cfg, saved_global_batch: Optional[int] = None,
+                        global_batch: Optional[int] = None) -> list[str]:
+    """Compares the config a checkpoint was saved with to the one resuming it.
+
+    Raises ResumeConfigError with a diff of every refused change (`resume_class` "fixed": model,
+    data, tokens, batch shape; also a different global batch, e.g. from a new device count).
+    Returns warning lines for the allowed changes that alter training ("warn": optimizer,
+    schedule, steps, loss weights, compute dtype)."""
+    changes = config_changes(saved, cfg)
+    fixed = {k: v for k, v in changes.items() if resume_class(k) == RESUME_FIXED}
+    lines = [f"  {k}: {a!r} -> {b!r}" for k, (a, b) in sorted(fixed.items())]
+    if saved_global_batch is not None and global_batch is not None and saved_global_batch != global_batch:
+        lines.append(f"  global batch (sequences per step): {saved_global_batch} -> {global_batch}")
+    if lines:
+        raise ResumeConfigError(
+            "the config changes what the checkpoint was trained as (model, data or batch shape); resume with the "
+            "saved values, or start a new run_dir with load_parameters_path set to this checkpoint:\n"
+            + "\n".join(lines))
+    return [f"warning: resuming with {k} changed: {a!r} -> {b!r}" for k, (a, b) in sorted(changes.items())
+            if resume_class(k) == RESUME_WARN]
+
+
+def _all_processes(flags: list[bool]) -> list[bool]:
+    """Element-wise OR of `flags` over all processes (every process gets the same answer)."""
+    if jax.process_count() == 1 or not flags:
+        return flags
+    from jax.experimental import multihost_utils
+    got = multihost_utils.process_allgather(np.asarray(flags, np.int32))
+    return [bool(x) for x in np.asarray(got).reshape(jax.process_count(), -1).any(axis=0)]
+
+
+def _no_space(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        text = str(e)
+        if "No space left on device" in text or "os_error_code='28'" in text or "ENOSPC" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class _OrbaxErrorsRaisedByUs(logging.Filter):
+    """Orbax logs a failed save's traceback before it raises; we raise it once, as a CheckpointError."""
+
+    def filter(self, record):
+        return not (record.levelno >= logging.ERROR and "/orbax/" in record.pathname.replace(os.sep, "/"))
+
+
+_ORBAX_FILTER = _OrbaxErrorsRaisedByUs()
+
+
 class _DataState:
     """A data iterator's `get_state()` taken at save time (grain's handler calls `get_state`)."""
 
@@ -54,6 +217,7 @@ class Checkpointer:
     def __init__(self, directory, cfg):
         self.directory = Path(directory).absolute()
         self.directory.mkdir(parents=True, exist_ok=True)  # orbax: no create=True with active_processes
+        self.cfg = cfg
         self.period = cfg.checkpoint_period
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.max_checkpoints_to_keep,
@@ -65,13 +229,66 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
-                           "meta": ocp.JsonCheckpointHandler()})
+                           "meta": ocp.JsonCheckpointHandler(), CONFIG_ITEM: ocp.JsonCheckpointHandler()})
+        logging.getLogger("absl").addFilter(_ORBAX_FILTER)
         self._pool = ThreadPoolExecutor(1, "checkpoint") if cfg.async_checkpointing else None
         self._pending = None  # (step, Future) of the save in flight
         self._last = self.manager.latest_step()
+        self._verified = set()
 
     def latest_step(self):
+        """The newest step directory orbax knows (verified or not; `resume_step` picks a good one)."""
         return self.manager.latest_step()
+
+    def step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def resume_step(self, log: Callable[[str], None] = print, data: bool = True) -> Optional[int]:
+        """The newest step that verifies (see the module doc), or None when there is no checkpoint.
+
+        Newer steps that do not verify are logged with the reason and moved aside to
+        `{step}.rejected`. Raises CheckpointError when checkpoints exist but none verifies.
+        `data`: whether the run restores a data iterator (the `data` item is then required)."""
+        items = ITEMS + (("data",) if data else ())
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        rank, parts = jax.process_index(), jax.process_count()
+        reasons = [verify(self.step_dir(s), items, rank, parts) for s in steps]
+        bad = _all_processes([r is not None for r in reasons])
+        good = next((s for s, b in zip(steps, bad) if not b), None)
+        rejected = [(s, r or "a file failed verification on another process")
+                    for s, r, b in zip(steps, reasons, bad) if b and (good is None or s > good)]
+        if good is None and rejected:
+            raise CheckpointError(f"{self.directory}: no usable checkpoint; move or delete these to start the run "
+                                  "from scratch:\n" + "\n".join(f"  {s}: {r}" for s, r in rejected))
+        for s, r in rejected:
+            log(f"warning: checkpoint {self.step_dir(s)} is unusable ({r}); moved to {s}{REJECTED}, "
+                f"resuming from step {good}")
+        if rejected:
+            if jax.process_index() == 0:
+                for s, _ in rejected:
+                    dst = self.directory / f"{s}{REJECTED}"
+                    n = 1
+                    while dst.exists():
+                        n += 1
+                        dst = self.directory / f"{s}{REJECTED}.{n}"
+                    os.replace(self.step_dir(s), dst)
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+                multihost_utils.sync_global_devices("ling2_checkpoint_rejected")
+            self.manager.reload()
+            self._last = self.manager.latest_step()
+        if good is not None:
+            self._verified.add(good)
+        return good
+
+    def check_resume_config(self, step: int, cfg, global_batch: Optional[int] = None) -> list[str]:
+        """`check_resume_config` of this step's saved config (and global batch) against `cfg`."""
+        d = self.step_dir(step)
+        try:
+            meta = json.loads((d / "meta" / "metadata").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{d / 'meta' / 'metadata'}: unreadable ({e})") from None
+        return check_resume_config(saved_config(d), cfg, meta.get("global_batch"), global_batch)
 
     def due(self, step: int) -> bool:
         """Whether `save` would write `step` without force (a period step after the last saved)."""
@@ -89,20 +306,44 @@ class Checkpointer:
         self.wait()
         if self._pool is not None:
             state = snapshot(state, None if jax.default_backend() == "cpu" else "pinned_host")
-        args = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+        args = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta),
+                CONFIG_ITEM: ocp.args.JsonSave(self.cfg.model_dump(mode="json"))}
         if data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointSave(_DataState(data_iter))
         args = ocp.args.Composite(**args)
         self._last = step
         if self._pool is None:
-            self.manager.save(step, args=args, force=True)
+            try:
+                self._commit(step, args)
+            except Exception as e:
+                raise self._save_error(step, e) from None
         else:
-            self._pending = step, self._pool.submit(self.manager.save, step, args=args, force=True)
+            self._pending = step, self._pool.submit(self._commit, step, args)
         return True
+
+    def _commit(self, step: int, args) -> None:
+        self.manager.save(step, args=args, force=True)
+        if jax.process_index() == 0:
+            write_checksums(self.step_dir(step))
+
+    def _save_error(self, step: int, e: BaseException) -> CheckpointError:
+        """One line for a failed save (orbax's own messages run to pages); its partial files are removed."""
+        if jax.process_index() == 0:
+            for tmp in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+        where = self.step_dir(step)
+        if _no_space(e):
+            return CheckpointError(f"{where}: disk full (no space left on device) while saving the checkpoint; "
+                                   f"the newest complete checkpoint in {self.directory} is kept. Free space or use "
+                                   "another --run_dir.")
+        first = next((line for line in str(e).splitlines() if line.strip()), "")[:500]
+        return CheckpointError(f"{where}: saving the checkpoint failed: {type(e).__name__}: {first}")
 
     def check_shapes(self, step: int, target) -> None:
         """Raises CheckpointError listing every parameter whose saved shape differs from `target`'s."""
         saved = self.manager.item_metadata(step)["state"]
+        if saved is None:
+            raise CheckpointError(f"{self.step_dir(step)}: the state item is missing")
         saved_flat = {_path_str(p): getattr(v, "shape", None) for p, v in jax.tree_util.tree_leaves_with_path(saved)}
         want_flat = {_path_str(p): tuple(np.shape(v)) for p, v in jax.tree_util.tree_leaves_with_path(target)}
         bad = []
@@ -113,10 +354,18 @@ class Checkpointer:
             if s != w:
                 bad.append(f"  {k}: checkpoint {s} vs model {w}")
         if bad:
-            raise CheckpointError(f"{self.directory / str(step)}: checkpoint does not match the model:\n" + "\n".join(bad))
+            raise CheckpointError(f"{self.step_dir(step)}: checkpoint does not match the model:\n" + "\n".join(bad))
 
     def restore(self, step: int, target, data_iter):
-        """Restores into `target` (a pytree of arrays or ShapeDtypeStructs with shardings) and `data_iter`."""
+        """Restores into `target` (a pytree of arrays or ShapeDtypeStructs with shardings) and `data_iter`,
+        after verifying the step's files (unless `resume_step` just did)."""
+        if step not in self._verified:
+            items = ITEMS + (("data",) if data_iter is not None else ())
+            reason = verify(self.step_dir(step), items, jax.process_index(), jax.process_count())
+            if _all_processes([reason is not None])[0]:
+                raise CheckpointError(f"{self.step_dir(step)}: checkpoint is unusable: "
+                                      f"{reason or 'a file failed verification on another process'}")
+            self._verified.add(step)
         self.check_shapes(step, target)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         args = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
@@ -133,7 +382,7 @@ class Checkpointer:
         try:
             future.result()
         except Exception as e:
-            raise CheckpointError(f"{self.directory / str(step)}: saving the checkpoint failed: {e}") from e
+            raise self._save_error(step, e) from None
 
     def close(self):
         try:

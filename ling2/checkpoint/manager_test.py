@@ -1,13 +1,22 @@
 """Checkpointer: an async save holds the state and data position of its step while later (donating)
-steps run, its errors surface, and saves follow the period; checked against values kept by hand."""
+steps run, its errors surface, and saves follow the period; checked against values kept by hand.
+Integrity: damaged or unfinished steps are found and skipped; the saved config and the resume rules."""
+
+import errno
+import re
+import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ling2.checkpoint import manager
+from ling2.checkpoint.manager import (CheckpointError, Checkpointer, ResumeConfigError, check_resume_config,
+                                      saved_config, snapshot)
 from ling2.config import load_config
-from ling2.checkpoint.manager import CheckpointError, Checkpointer, snapshot
+from ling2.config.schema import Config, resume_class
 
 
 class Counter:
@@ -95,3 +104,124 @@ def test_background_failure_surfaces_at_the_next_save_and_at_close(tmp_path):
     with pytest.raises(CheckpointError, match=r"/6: saving the checkpoint failed"):
         ck.close()
     assert ck.manager.all_steps() == []
+
+
+def big_state():
+    """A state whose array file is large enough to corrupt in its middle (random: compresses poorly)."""
+    return {"w": jax.random.normal(jax.random.key(0), (200, 300)), "step": jnp.int32(7)}
+
+
+def saved(tmp_path, steps=(2, 4), **over):
+    ck, it = Checkpointer(tmp_path, cfg(async_checkpointing=False, **over)), Counter()
+    for step in steps:
+        ck.save(step, big_state(), it, {"step": step}, force=True)
+    ck.close()
+    return Checkpointer(tmp_path, cfg(**over))
+
+
+def largest_file(step_dir):
+    return max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def test_flipped_bytes_are_refused_and_resume_falls_back(tmp_path):
+    """Bytes flipped in a saved array file: restoring that step raises, naming the file (it used to restore
+    silently); resume warns, moves it aside and takes the step before, whose values are the saved ones."""
+    ck = saved(tmp_path)
+    victim = largest_file(tmp_path / "4" / "state")
+    assert victim.stat().st_size > 100_000
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 8] = bytes(b ^ 0xFF for b in raw[len(raw) // 2:len(raw) // 2 + 8])
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=rf"/4: checkpoint is unusable: .*{victim.name}: checksum mismatch"):
+        ck.restore(4, big_state(), Counter())
+    logs = []
+    assert ck.resume_step(logs.append) == 2
+    assert len(logs) == 1 and "checkpoint" in logs[0] and "checksum mismatch" in logs[0] and "step 2" in logs[0]
+    assert ck.manager.all_steps() == [2] and (tmp_path / "4.rejected").is_dir()
+    back, meta = ck.restore(2, big_state(), Counter())
+    ck.close()
+    assert meta == {"step": 2}
+    np.testing.assert_array_equal(np.asarray(back["w"]), np.asarray(big_state()["w"]))
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda d: shutil.rmtree(d / "meta"), "item 'meta' missing"),
+    (lambda d: (d / "_CHECKPOINT_METADATA").unlink(), "missing file _CHECKPOINT_METADATA"),
+    (lambda d: (d / "checksums.json").unlink(), "no checksums.json"),
+    (lambda d: (d / "checksums.json").write_text("{"), "checksums.json unreadable"),
+    (lambda d: largest_file(d / "state").write_bytes(b"short"), "bytes, .* when saved"),
+    (lambda d: [shutil.rmtree(p) if p.is_dir() else p.unlink() for p in list(d.iterdir())], "empty directory"),
+])
+def test_incomplete_latest_step_falls_back_with_the_reason(tmp_path, damage, reason):
+    ck = saved(tmp_path)
+    damage(tmp_path / "4")
+    logs = []
+    assert ck.resume_step(logs.append) == 2
+    assert re.search(reason, logs[0]), logs
+    ck.close()
+
+
+def test_no_usable_checkpoint_is_an_error_listing_each(tmp_path):
+    ck = saved(tmp_path)
+    for s in (2, 4):
+        (tmp_path / str(s) / "checksums.json").unlink()
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint(.|\n)*  4: no checksums.json(.|\n)*  2: no "):
+        ck.resume_step(lambda s: None)
+    ck.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "4"]  # nothing moved: the user decides
+
+
+def test_saved_config_and_resume_classes(tmp_path):
+    """The run's config is saved with every step; resuming refuses model/data/batch changes with a diff and
+    warns about optimizer-schedule changes (classes: ling2.config.schema.resume_class)."""
+    ck = saved(tmp_path, steps=(2,))
+    base = cfg(async_checkpointing=False)  # as `saved` saved it
+    assert saved_config(tmp_path / "2") == base
+    assert check_resume_config(base, base) == []
+    free = base.model_copy(update={"attention_kernel": "dot_product", "checkpoint_period": 7, "log_period": 3})
+    assert check_resume_config(base, free) == []
+    warn = base.model_copy(update={"learning_rate": 1e-5, "steps": 5000, "warmup_steps_fraction": 0.5})
+    got = check_resume_config(base, warn)
+    assert len(got) == 3 and any("learning_rate changed: 0.0003 -> 1e-05" in line for line in got)
+    bad = base.model_copy(update={"base_emb_dim": 96, "data_seed": 7, "learning_rate": 1e-5})
+    with pytest.raises(ResumeConfigError) as e:
+        check_resume_config(base, bad, 16, 32)
+    msg = str(e.value)
+    assert "base_emb_dim: 128 -> 96" in msg and "data_seed: 1234 -> 7" in msg and "learning_rate" not in msg
+    assert "global batch (sequences per step): 16 -> 32" in msg
+    assert ck.check_resume_config(2, bad.model_copy(update={"base_emb_dim": 128, "data_seed": 1234})) != []
+    ck.close()
+    for field in Config.model_fields:  # every field has a class
+        assert resume_class(field) in ("fixed", "warn", "free")
+
+
+def test_disk_full_during_a_save_is_one_named_error(tmp_path, capfd, monkeypatch):
+    """A full disk while saving (a 200 KiB tmpfs where it can be mounted, else the checksum writer raising
+    ENOSPC): one CheckpointError line that says so, and none of orbax's pages of traceback."""
+    small = tmp_path / "small"
+    small.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(small)],
+                                 capture_output=True).returncode == 0
+    except OSError:  # no mount(8)
+        mounted = False
+    if not mounted:
+        def full(step_dir):
+            raise OSError(errno.ENOSPC, "No space left on device", str(step_dir))
+
+        monkeypatch.setattr(manager, "write_checksums", full)
+    try:
+        for async_save in (False, True):
+            ck = Checkpointer(small / f"ck{int(async_save)}", cfg(async_checkpointing=async_save))
+            with pytest.raises(CheckpointError) as e:
+                ck.save(2, {"w": jax.random.normal(jax.random.key(1), (300, 300))}, Counter(), {}, force=True)
+                ck.close()
+            msg = str(e.value)
+            assert "\n" not in msg and "disk full (no space left on device)" in msg and f"ck{int(async_save)}/2" in msg
+            err = capfd.readouterr().err
+            assert "Traceback" not in err and len(err.splitlines()) < 5, err
+            if ck._pool is not None:
+                ck._pool.shutdown()
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(small)])

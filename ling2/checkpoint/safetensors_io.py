@@ -93,10 +93,14 @@ def read_header(path: Path) -> tuple[dict, int]:
         if len(raw) != 8:
             raise SafetensorsError(f"{path}: too short for a safetensors header")
         (n,) = struct.unpack("<Q", raw)
+        if n > os.fstat(f.fileno()).st_size - 8:
+            raise SafetensorsError(f"{path}: malformed safetensors header: {n} header bytes in a shorter file")
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise SafetensorsError(f"{path}: malformed safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path}: malformed safetensors header: not a JSON object")
     header.pop("__metadata__", None)
     return header, 8 + n
 
@@ -114,9 +118,9 @@ class ShardedReader:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+                files = sorted(set(map(str, weight_map.values())))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
                 raise SafetensorsError(f"{index}: malformed index ({e!r})") from None
-            files = sorted(set(weight_map.values()))
         elif (self.dir / SINGLE_NAME).is_file():
             files, weight_map = [SINGLE_NAME], None
         else:
@@ -127,11 +131,21 @@ class ShardedReader:
             if not path.is_file():
                 raise SafetensorsError(f"{index}: names shard {file}, which does not exist")
             header, start = read_header(path)
+            size = path.stat().st_size
             for name, h in header.items():
-                if h["dtype"] not in DTYPES:
-                    raise SafetensorsError(f"{path}: tensor {name} has unsupported dtype {h['dtype']}")
-                b, e = h["data_offsets"]
-                self.entries[name] = (path, DTYPES[h["dtype"]], tuple(h["shape"]), start + b, start + e)
+                try:
+                    dtype, shape, (b, e) = h["dtype"], tuple(int(d) for d in h["shape"]), h["data_offsets"]
+                    b, e = int(b), int(e)
+                except (KeyError, TypeError, ValueError) as err:
+                    raise SafetensorsError(f"{path}: tensor {name} has a malformed header entry ({err!r})") from None
+                if dtype not in DTYPES:
+                    raise SafetensorsError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+                if e - b != math.prod(shape) * DTYPES[dtype].itemsize or b < 0:
+                    raise SafetensorsError(f"{path}: tensor {name} bytes [{b}, {e}) do not hold {shape} {dtype}")
+                if start + e > size:
+                    raise SafetensorsError(f"{path}: tensor {name} is cut short: it ends at byte {start + e}, the "
+                                           f"file has {size} (truncated?)")
+                self.entries[name] = (path, DTYPES[dtype], shape, start + b, start + e)
         if weight_map is not None:
             for name, file in weight_map.items():
                 if name not in self.entries or self.entries[name][0].name != file:

@@ -21,10 +21,11 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import yaml
 from flax import nnx
 
-from ling2.checkpoint.safetensors_io import INDEX_NAME, PlannedWriter, ShardedReader
-from ling2.config import load_config, to_yaml
+from ling2.checkpoint.safetensors_io import INDEX_NAME, PlannedWriter, SafetensorsError, ShardedReader
+from ling2.config import ConfigError, load_config, to_yaml
 from ling2.config.loader import load_yaml
 from ling2.layers.model import abstract_model
 from ling2.layers.plan import layer_plan
@@ -91,7 +92,16 @@ def read_config(path, *overrides):
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: Ling2 config not found")
-    return load_config(load_yaml(path.read_text()), *overrides)
+    try:
+        data = load_yaml(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: malformed YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: not a Ling2 config (a mapping of key: value)")
+    try:
+        return load_config(data, *overrides)
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def state_writer(out_dir, cfg, order=()) -> PlannedWriter:
@@ -150,6 +160,8 @@ def load_state(ckpt_dir, cfg) -> dict:
     if saved.is_file():
         saved_cfg = read_config(saved)
         if saved_cfg.scan_layers != cfg.scan_layers:
+            relaid = abstract_state(saved_cfg.model_copy(update={"scan_layers": cfg.scan_layers}))
+            check_shapes({p: v.shape for p, v in relaid.items()}, abstract_state(cfg), str(Path(ckpt_dir)))
             return relayout(_load_state(ckpt_dir, saved_cfg), saved_cfg, cfg)
     return _load_state(ckpt_dir, cfg)
 
@@ -158,13 +170,20 @@ def _load_state(ckpt_dir, cfg) -> dict:
     path = Path(ckpt_dir).absolute() / STATE_NAME
     leaves = abstract_state(cfg)
     if (path / INDEX_NAME).is_file():  # a state directory: one safetensors tensor per leaf
-        reader = ShardedReader(path)
-        check_shapes({tuple(n.split("/")): reader.shape(n) for n in reader.names()}, leaves, str(path))
-        return unflat({p: reader.read(key(p)) for p in leaves})
+        try:
+            reader = ShardedReader(path)
+            check_shapes({tuple(n.split("/")): reader.shape(n) for n in reader.names()}, leaves, str(path))
+            return unflat({p: reader.read(key(p)) for p in leaves})
+        except SafetensorsError as e:
+            raise CheckpointError(str(e)) from None
     if not path.is_dir():
         raise CheckpointError(f"{path}: no state directory or orbax state item")
-    with ocp.StandardCheckpointer() as ckptr:
-        tree = ckptr.restore(path)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            tree = ckptr.restore(path)
+    except (ValueError, OSError, KeyError) as e:  # orbax/tensorstore on a damaged item
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise CheckpointError(f"{path}: unreadable orbax state item: {first[:500]}") from None
     if "params" in tree and "decoder" not in tree:  # trainer TrainState: trainable params + the rest
         items = flat(tree["params"])
         items.update(flat(tree.get("rest") or {}))

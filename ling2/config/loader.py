@@ -36,8 +36,10 @@ def _read_yaml(path: Path) -> dict:
         raise ConfigError(f"{path}: config file not found")
     try:
         data = load_yaml(path.read_text())
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: malformed YAML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -74,13 +76,18 @@ def parse_overrides(items: Sequence[str]) -> dict:
     return out
 
 
-def _chain(path: Path) -> list[tuple[Path, dict]]:
+def _chain(path: Path, seen: tuple = ()) -> list[tuple[Path, dict]]:
     """A config file and the `base_config` files it extends, base first."""
+    if path in seen:
+        loop = " -> ".join(str(p) for p in seen + (path,))
+        raise ConfigError(f"{seen[-1]}: base_config loop: {loop}")
     data = _read_yaml(path)
     parent = data.pop("base_config", None)
     if parent is None:
         return [(path, data)]
-    return _chain(Path(os.path.abspath(path.parent / parent))) + [(path, data)]
+    if not isinstance(parent, str) or not parent:
+        raise ConfigError(f"{path}: base_config must be a file path, got {parent!r}")
+    return _chain(Path(os.path.abspath(path.parent / parent)), seen + (path,)) + [(path, data)]
 
 
 def load_config(*overrides: Union[str, Mapping[str, Any]], config_file: Union[str, os.PathLike, None] = None,

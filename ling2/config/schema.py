@@ -6,7 +6,7 @@ field missing from it is an error rather than a silent second default. Access is
 head dims) are computed once after validation.
 """
 
-from typing import Optional
+from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
@@ -217,6 +217,10 @@ class Checkpointing(_Group):
     async_checkpointing: bool = _f("Write checkpoints on a background thread (the loop waits only for a copy).")
     checkpoint_period: PositiveInt = _f("Save every this many steps (and at the end, and on SIGTERM/SIGINT).")
     max_checkpoints_to_keep: PositiveInt = _f("Older checkpoints beyond this many are deleted.")
+    hf_source_config: dict[str, Any] = _f(
+        "The Hugging Face config.json this model was converted from ({} for a Ling2-native model): ling2_to_hf "
+        "writes back its fields Ling2 does not model (dropouts, use_cache, bos_token_id, ...) and keeps its "
+        "spelling of those it does while they still mean the same.")
 
 
 class Logging(_Group):
@@ -269,6 +273,10 @@ class Config(*GROUPS):
             need(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", f"must be even, got {self.qk_rope_head_dim}")
             C = self.kda_chunk_size
             need(C >= 16 and C & (C - 1) == 0, "kda_chunk_size", f"must be a power of two >= 16, got {C}")
+        if self.rope_type == "default":
+            need(self.max_target_length <= self.max_position_embeddings, "max_target_length",
+                 f"{self.max_target_length} exceeds max_position_embeddings={self.max_position_embeddings} with "
+                 "rope_type 'default' (no rope scaling); shorten it or set rope_type: yarn")
         need(self.attention_type == "mla", "attention_type", f"only 'mla' is supported, got {self.attention_type!r}")
         need(self.dataset_type in ("mmap", "synthetic"), "dataset_type",
              f"must be 'mmap' or 'synthetic', got {self.dataset_type!r}")
@@ -364,3 +372,36 @@ class Config(*GROUPS):
 
 
 FIELD_GROUPS: dict[str, type[BaseModel]] = {f: g for g in GROUPS for f in g.model_fields}
+
+# What resuming a run with a changed value does (`resume_class`):
+#   "fixed": refused. The weights, their layout, the data order or the batch shape would no longer be the
+#            checkpoint's (model shape, numerics that define the model, data, tokens, batch per device).
+#   "warn":  allowed with a warning: the optimizer and its schedule, loss weights, compute dtype, the seed,
+#            the step count; the run continues from the checkpoint under the new values.
+#   "free":  allowed silently: how the same maths runs (kernels, remat, mesh layout), evaluation,
+#            checkpointing and logging. A mesh change must keep the global batch (checked on its own).
+RESUME_FIXED, RESUME_WARN, RESUME_FREE = "fixed", "warn", "free"
+RESUME_GROUPS: dict[type[BaseModel], str] = {
+    Model: RESUME_FIXED, Rope: RESUME_FIXED, LinearAttention: RESUME_FIXED, Mla: RESUME_FIXED, MoE: RESUME_FIXED,
+    DeepSeekMoE: RESUME_FIXED, Mtp: RESUME_FIXED, Data: RESUME_FIXED, Tokenizer: RESUME_FIXED,
+    Optimizer: RESUME_WARN, Training: RESUME_WARN, Mesh: RESUME_FREE, Checkpointing: RESUME_FREE,
+    Logging: RESUME_FREE,
+}
+RESUME_FIELDS: dict[str, str] = {
+    # kernels and memory: the same model, computed another way
+    "attention_kernel": RESUME_FREE, "attention_block_size": RESUME_FREE, "remat_policy": RESUME_FREE,
+    "gla_backend": RESUME_FREE, "gla_chunk_size": RESUME_FREE, "moe_gmm_backend": RESUME_FREE,
+    "grain_worker_count": RESUME_FREE, "blend_cache_dir": RESUME_FREE,
+    # training hyperparameters outside the optimizer group
+    "dtype": RESUME_WARN, "float32_logits": RESUME_WARN, "load_balance_loss_weight": RESUME_WARN,
+    "moe_z_loss_weight": RESUME_WARN, "routed_bias_update_rate": RESUME_WARN, "mtp_loss_scaling_factor": RESUME_WARN,
+    "tokenizer_path": RESUME_WARN,
+    # the batch shape of a step
+    "per_device_batch_size": RESUME_FIXED, "gradient_accumulation_steps": RESUME_FIXED,
+    "eval_interval": RESUME_FREE, "eval_steps": RESUME_FREE,
+}
+
+
+def resume_class(field: str) -> str:
+    """"fixed", "warn" or "free": what resuming a checkpoint with a changed `field` does (see above)."""
+    return RESUME_FIELDS.get(field, RESUME_GROUPS[FIELD_GROUPS[field]])

@@ -11,6 +11,8 @@ by orbax).
 """
 
 import json
+import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -18,9 +20,11 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from ling2.checkpoint.safetensors_io import INDEX_NAME, PlannedWriter, ShardedReader
-from ling2.checkpoint.state import (CONFIG_NAME, STATE_NAME, abstract_state, check_shapes, flat, key, load_state,
+from ling2.checkpoint.manager import saved_config
+from ling2.checkpoint.safetensors_io import INDEX_NAME, PlannedWriter, SafetensorsError, ShardedReader
+from ling2.checkpoint.state import (CONFIG_NAME, CheckpointError, STATE_NAME, abstract_state, check_shapes, flat, key, load_state,
                                     read_config, state_writer, unflat)
+from ling2.config import ConfigError
 from ling2.convert import hf_config, mapping
 from ling2.layers.mtp import MTP
 
@@ -29,14 +33,38 @@ class ConversionError(ValueError):
     """Tensors that do not fit the model; the message lists every offender with both shapes."""
 
 
+# Bad input (files, configs, flags) a converter CLI reports in one message and exits 2 for.
+USER_ERRORS = (ConversionError, hf_config.HFConfigError, CheckpointError, ConfigError, SafetensorsError, OSError)
+
+
+def report(e: BaseException) -> int:
+    """Prints a user error as `error: Type: message` on stderr; the exit status (2)."""
+    print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+    return 2
+
+
+HF_CODE = "hf_code"  # a state directory's copy of the source's remote-code modules (auto_map)
+
+
 def read_hf_config(hf_dir) -> dict:
     path = Path(hf_dir) / "config.json"
+    if not Path(hf_dir).is_dir():
+        raise ConversionError(f"{hf_dir}: not a directory")
     if not path.is_file():
         raise ConversionError(f"{path}: not found")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConversionError(f"{path}: malformed JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ConversionError(f"{path}: top level must be a JSON object, got {type(hf).__name__}")
+    return hf
+
+
+def auto_map_modules(hf: dict) -> list[str]:
+    """The remote-code files a config.json's auto_map names (e.g. modeling_bailing_moe_v2_5.py)."""
+    refs = (hf.get("auto_map") or {}).values() if isinstance(hf.get("auto_map"), dict) else ()
+    return sorted({str(r).split("--")[-1].rsplit(".", 1)[0] + ".py" for r in refs if isinstance(r, str) and "." in r})
 
 
 def _resolve(e, names: set):
@@ -150,29 +178,40 @@ def convert_hf_to_ling2(hf_dir, out_dir, *, scan_layers: bool = False, dtype: st
     layout = hf_config.detect_layout(hf) if layout == "auto" else layout
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype: unknown {dtype!r} (known: {sorted(DTYPES)})")
-    cfg = hf_config.load_ling2_config(hf, layout, {"scan_layers": scan_layers, "weight_dtype": DTYPES[dtype]},
-                                      *overrides)
+    cfg = hf_config.load_ling2_config(
+        hf, layout, {"scan_layers": scan_layers, "weight_dtype": DTYPES[dtype], "dtype": DTYPES[dtype]}, *overrides)
     reader = ShardedReader(hf_dir)
     plan = _plan(reader, cfg, layout, allow_missing_mtp)
     writer = state_writer(out_dir, cfg, [e.path for e, _ in plan[1]])
     reader.map_pages = writer.lib is None  # the native writer maps and drops each block's pages itself
     _hf_to_sink(reader, cfg, layout, writer, allow_missing_mtp, progress, plan)
     writer.close()
+    code = [Path(hf_dir) / m for m in auto_map_modules(hf) if (Path(hf_dir) / m).is_file()]
+    if code:
+        (Path(out_dir) / HF_CODE).mkdir(exist_ok=True)
+        for f in code:
+            shutil.copyfile(f, Path(out_dir) / HF_CODE / f.name)
     return cfg
 
 
 def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "bailing", config=None, dtype: str = "",
                         shard_bytes: int = 2 << 30, progress: bool = True) -> dict:
-    """Ling2 checkpoint directory -> HF directory (shards, index, config.json); returns the index."""
+    """Ling2 checkpoint directory -> HF directory (shards, index, config.json); returns the index.
+
+    The config is `config` (a YAML file), else the one saved with the checkpoint (a state directory's
+    config.yml, a trainer step's `config` item). Remote-code modules kept by hf_to_ling2 are copied
+    next to config.json."""
     saved = Path(ckpt_dir) / CONFIG_NAME
-    cfg = read_config(config or saved)
+    if dtype and dtype not in DTYPES:
+        raise ConversionError(f"--dtype: unknown {dtype!r} (known: {sorted(DTYPES)})")
+    if not Path(ckpt_dir).is_dir():
+        raise ConversionError(f"{ckpt_dir}: not a directory")
+    cfg = read_config(config) if config else saved_config(ckpt_dir)
     if (Path(ckpt_dir) / STATE_NAME / INDEX_NAME).is_file() and (
             config is None or not saved.is_file() or read_config(saved).scan_layers == cfg.scan_layers):
         state = ShardedReader(Path(ckpt_dir) / STATE_NAME)  # streamed: one block in memory at a time
     else:
         state = load_state(ckpt_dir, cfg)
-    if dtype and dtype not in DTYPES:
-        raise ConversionError(f"--dtype: unknown {dtype!r} (known: {sorted(DTYPES)})")
     np_dtype = np.dtype(jax.numpy.dtype(DTYPES[dtype])) if dtype else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -183,4 +222,6 @@ def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "bailing", config=No
     state_to_hf(state, cfg, layout, writer, progress)
     index = writer.close()
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    for f in sorted((Path(ckpt_dir) / HF_CODE).glob("*.py")):
+        shutil.copyfile(f, out / f.name)
     return index

@@ -123,8 +123,10 @@ def test_config_fields_from_a_bailing_config_json():
     assert cfg.layer_types == ("gla", "gla", "mla", "gla", "gla", "mla", "mla")
     hf["moe_shared_expert_intermediate_size"] = 24
     assert hf_config.load_ling2_config(hf, "bailing").moe_shared_expert_dim == 24
-    with pytest.raises(hf_config.HFConfigError, match="layer_group_size"):
-        hf_config.load_ling2_config({k: v for k, v in hf.items() if k != "layer_group_size"}, "bailing")
+    missing = hf_config.load_ling2_config({k: v for k, v in hf.items() if k != "layer_group_size"}, "bailing")
+    assert missing.inhomogeneous_layer_cycle_interval == 5  # the official class's default
+    with pytest.raises(hf_config.HFConfigError, match=r"layer_group_size \(Ling2 inhomogeneous_layer_cycle_interval\)"):
+        hf_config.load_ling2_config({**hf, "layer_group_size": 0}, "bailing")
 
 
 def test_validation_lists_every_offender_with_both_shapes(tmp_path, tiny):
@@ -194,8 +196,9 @@ def test_cli_both_directions(tmp_path, hf_tiny, capsys):
     assert f"{len(ref)} tensors" in capsys.readouterr().out
     out = ShardedReader(tmp_path / "hf2")
     assert all(np.array_equal(out.read(n), a) for n, a in ref.items())
-    with pytest.raises(convert.ConversionError, match="config.json: not found"):
-        hf_to_ling2.main(["--hf_dir", str(tmp_path), "--out", str(tmp_path / "x"), "--no_progress"])
+    assert hf_to_ling2.main(["--hf_dir", str(tmp_path), "--out", str(tmp_path / "x"), "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert "error: ConversionError:" in err and f"{tmp_path}/config.json: not found" in err
 
 
 def test_deepseek_layout_with_mtp_round_trip(tmp_path):

@@ -1,16 +1,72 @@
 """HF `config.json` <-> Ling2 config, for the two source layouts.
 
-- "bailing": BailingMoeV2_5 (hybrid GLA/MLA, `layer_group_size`, MTP as extra layers).
+- "bailing": BailingMoeV2_5 (hybrid GLA/MLA, `layer_group_size`, MTP as extra layers). A field
+  missing from config.json takes the default of the official `BailingMoeV2_5Config`
+  (`BAILING_DEFAULTS`), as the official code would.
 - "deepseek_v3": DeepSeek-V3 (every layer MLA), read into a Ling2 config with
   `inhomogeneous_layer_cycle_interval=1`, head_dim = qk_rope_head_dim, partial_rotary_factor 1.
 
-`hf_to_overrides` gives the Ling2 fields a HF config fixes; `load_ling2_config` applies
-them on top of configs/base.yml. `config_to_hf` is the reverse, a dict for config.json.
+`hf_to_overrides` gives the Ling2 fields a HF config fixes; `load_ling2_config` applies them on
+top of configs/base.yml and keeps the whole config.json in `hf_source_config`. `config_to_hf` is
+the reverse, a dict for config.json: every field the official config class reads, written
+explicitly; the source's fields Ling2 does not model come back unchanged, and so does the
+source's spelling of a field Ling2 does model (e.g. `rope_scaling` without yarn's defaulted keys,
+`eos_token_id` as a list) while it still means the same. So HF -> Ling2 -> HF is the identity.
 """
 
-from ling2.config import load_config
+import functools
+import re
+
+from ling2.config import ConfigError, load_config
 
 LAYOUTS = ("bailing", "deepseek_v3")
+
+# Every argument of the official BailingMoeV2_5Config.__init__ (Ring-V2.5,
+# models/configuration_bailing_moe_v2_5.py) with its default.
+BAILING_DEFAULTS = {
+    "vocab_size": 157184, "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 20,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "hidden_act": "silu", "use_qkv_bias": False,
+    "use_bias": False, "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "embedding_dropout": 0.0,
+    "attention_dropout": 0.0, "output_dropout": 0.0, "initializer_range": 0.02, "max_position_embeddings": 32768,
+    "rope_theta": 600000.0, "use_cache": True, "max_window_layers": 20, "rope_scaling": None,
+    "pad_token_id": 156892, "eos_token_id": 156892, "num_experts": 256, "num_shared_experts": 1,
+    "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "moe_intermediate_size": 512,
+    "first_k_dense_replace": 1, "head_dim": 128, "output_router_logits": False, "use_qk_norm": True,
+    "num_nextn_predict_layers": 0, "mtp_loss_scaling_factor": 0, "moe_router_enable_expert_bias": True,
+    "routed_scaling_factor": 1.0, "layer_group_size": 5, "group_norm_size": 4, "linear_silu": False,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "rope_interleave": True, "partial_rotary_factor": 0.5, "score_function": "sigmoid", "scoring_func": "sigmoid",
+    "seq_aux": True, "topk_method": "noaux_tc", "router_dtype": "fp32",
+}
+
+BAILING_AUTO_MAP = {"AutoConfig": "configuration_bailing_moe_v2_5.BailingMoeV2_5Config",
+                    "AutoModel": "modeling_bailing_moe_v2_5.BailingMoeV2_5Model",
+                    "AutoModelForCausalLM": "modeling_bailing_moe_v2_5.BailingMoeV2_5ForCausalLM"}
+
+# Ling2 field -> the config.json field it comes from (for error messages).
+HF_NAMES = {
+    "vocab_size": "vocab_size", "base_emb_dim": "hidden_size", "base_mlp_dim": "intermediate_size",
+    "base_num_decoder_layers": "num_hidden_layers", "base_num_query_heads": "num_attention_heads",
+    "base_num_kv_heads": "num_key_value_heads", "normalization_layer_epsilon": "rms_norm_eps",
+    "logits_via_embedding": "tie_word_embeddings", "init_std": "initializer_range",
+    "first_num_dense_layers": "first_k_dense_replace", "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank",
+    "qk_nope_head_dim": "qk_nope_head_dim", "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim",
+    "mla_interleaved_rope": "rope_interleave", "num_experts_per_tok": "num_experts_per_tok",
+    "base_moe_mlp_dim": "moe_intermediate_size", "routed_scaling_factor": "routed_scaling_factor",
+    "n_routing_groups": "n_group", "topk_routing_group": "topk_group", "mtp_num_layers": "num_nextn_predict_layers",
+    "rope_max_timescale": "rope_theta", "max_position_embeddings": "max_position_embeddings",
+    "original_max_position_embeddings": "rope_scaling.original_max_position_embeddings",
+    "rope_type": "rope_scaling.rope_type", "rope_factor": "rope_scaling.factor", "head_dim": "head_dim",
+    "inhomogeneous_layer_cycle_interval": "layer_group_size", "partial_rotary_factor": "partial_rotary_factor",
+    "use_qk_norm": "use_qk_norm", "use_linear_silu": "linear_silu", "group_norm_size": "group_norm_size",
+    "num_experts": "num_experts", "routed_score_func": "score_function",
+    "routed_bias": "moe_router_enable_expert_bias", "moe_shared_expert_dim": "num_shared_experts",
+    "mtp_loss_scaling_factor": "mtp_loss_scaling_factor", "pad_id": "pad_token_id", "eod_id": "eos_token_id",
+}
+
+# Written from the Ling2 side whatever the source said; always written.
+_OURS = ("torch_dtype",)
+_STRUCTURE = ("architectures", "model_type", "auto_map")
 
 
 class HFConfigError(ValueError):
@@ -18,7 +74,7 @@ class HFConfigError(ValueError):
 
 
 def detect_layout(hf: dict) -> str:
-    kind = (hf.get("model_type", "") + " ".join(hf.get("architectures") or [])).lower()
+    kind = (str(hf.get("model_type", "")) + " ".join(map(str, hf.get("architectures") or []))).lower()
     return "deepseek_v3" if "deepseek" in kind else "bailing"
 
 
@@ -28,65 +84,105 @@ def _need(hf: dict, key: str, where: str):
     return hf[key]
 
 
-def _rope(hf: dict) -> dict:
+def _pos_int(hf: dict, key: str, where: str, none_ok: bool = False):
+    """hf[key] when it is a positive int (a value the converter computes with), else HFConfigError."""
+    v = _need(hf, key, where)
+    if v is None and none_ok:
+        return v
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise HFConfigError(f"{where}: {key} must be a positive integer, got {v!r}")
+    return v
+
+
+def _rope(hf: dict, where: str) -> dict:
     rs = hf.get("rope_scaling")
-    out = {"rope_max_timescale": float(hf.get("rope_theta", 10000.0)),
-           "max_position_embeddings": hf["max_position_embeddings"],
-           "original_max_position_embeddings": hf["max_position_embeddings"]}
+    max_pos = _pos_int(hf, "max_position_embeddings", where)
+    out = {"rope_max_timescale": hf.get("rope_theta", 10000.0), "max_position_embeddings": max_pos,
+           "original_max_position_embeddings": max_pos}
     if not rs:
         return {**out, "rope_type": "default", "rope_factor": 1.0}
+    if not isinstance(rs, dict):
+        raise HFConfigError(f"{where}: rope_scaling must be a mapping or null, got {rs!r}")
     kind = rs.get("rope_type", rs.get("type"))
     if kind not in ("yarn", "default"):
-        raise HFConfigError(f"config.json: rope_scaling.rope_type {kind!r} is not supported (default, yarn)")
-    out.update(rope_type=kind, rope_factor=float(rs.get("factor", 1.0)))
-    for hk, lk in (("original_max_position_embeddings", "original_max_position_embeddings"), ("beta_fast", "beta_fast"),
-                   ("beta_slow", "beta_slow"), ("mscale", "mscale"), ("mscale_all_dim", "mscale_all_dim")):
-        if rs.get(hk) is not None:
-            out[lk] = rs[hk]
+        raise HFConfigError(f"{where}: rope_scaling.rope_type {kind!r} is not supported (default, yarn)")
+    out.update(rope_type=kind, rope_factor=rs.get("factor", 1.0))
+    for k in ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if rs.get(k) is not None:
+            out[k] = rs[k]
+    return out
+
+
+def _special_ids(hf: dict, explicit: set) -> dict:
+    """pad_id / eod_id from pad_token_id / eos_token_id (a list: its first id; null pad: -1). A
+    defaulted id outside the vocabulary (the official defaults under a small vocabulary) leaves
+    Ling2's default."""
+    out, vocab = {}, hf.get("vocab_size")
+    for hk, lk in (("pad_token_id", "pad_id"), ("eos_token_id", "eod_id")):
+        v = hf.get(hk)
+        if isinstance(v, list):
+            v = v[0] if v else None
+        if v is None:
+            if lk == "pad_id":
+                out[lk] = -1
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise HFConfigError(f"config.json: {hk} must be an integer, a list of integers or null, got {v!r}")
+        if hk not in explicit and isinstance(vocab, int) and not 0 <= v < vocab:
+            continue
+        out[lk] = v
     return out
 
 
 def hf_to_overrides(hf: dict, layout: str) -> dict:
     """The Ling2 config fields set by a HF config.json dict."""
     w = f"config.json ({layout})"
+    if not isinstance(hf, dict):
+        raise HFConfigError(f"{w}: top level must be a mapping, got {type(hf).__name__}")
+    explicit = set(hf)
+    if layout == "bailing":
+        hf = {**BAILING_DEFAULTS, **hf}
     if hf.get("hidden_act", "silu") != "silu":
         raise HFConfigError(f"{w}: hidden_act {hf['hidden_act']!r} is not supported (silu)")
     if hf.get("use_qkv_bias") or hf.get("use_bias") or hf.get("attention_bias"):
         raise HFConfigError(f"{w}: attention biases (use_qkv_bias/use_bias/attention_bias) are not supported")
-    H = _need(hf, "num_attention_heads", w)
+    H = _pos_int(hf, "num_attention_heads", w)
+    E = _pos_int(hf, "hidden_size", w)
+    I_moe = _pos_int(hf, "moe_intermediate_size", w)
+    kv = hf.get("num_key_value_heads") or H
+    if "num_key_value_heads" not in explicit and isinstance(kv, int) and kv > 0 and H % kv:
+        kv = H  # the official default (4) does not divide these heads
     o = {
-        "decoder_block": "ling2", "vocab_size": _need(hf, "vocab_size", w), "base_emb_dim": _need(hf, "hidden_size", w),
+        "decoder_block": "ling2", "vocab_size": _need(hf, "vocab_size", w), "base_emb_dim": E,
         "base_mlp_dim": _need(hf, "intermediate_size", w), "base_num_decoder_layers": _need(hf, "num_hidden_layers", w),
-        "base_num_query_heads": H, "base_num_kv_heads": H,
+        "base_num_query_heads": H, "base_num_kv_heads": kv,
         "normalization_layer_epsilon": hf.get("rms_norm_eps", 1e-6),
-        "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+        "logits_via_embedding": hf.get("tie_word_embeddings", False),
         "init_std": hf.get("initializer_range", 0.02), "attention_type": "mla",
         "first_num_dense_layers": hf.get("first_k_dense_replace", 0),
         "q_lora_rank": hf.get("q_lora_rank") or 0, "kv_lora_rank": _need(hf, "kv_lora_rank", w),
         "qk_nope_head_dim": _need(hf, "qk_nope_head_dim", w), "qk_rope_head_dim": _need(hf, "qk_rope_head_dim", w),
-        "v_head_dim": _need(hf, "v_head_dim", w), "mla_interleaved_rope": bool(hf.get("rope_interleave", True)),
-        "num_experts_per_tok": _need(hf, "num_experts_per_tok", w),
-        "base_moe_mlp_dim": _need(hf, "moe_intermediate_size", w),
-        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+        "v_head_dim": _need(hf, "v_head_dim", w), "mla_interleaved_rope": hf.get("rope_interleave", True),
+        "num_experts_per_tok": _need(hf, "num_experts_per_tok", w), "base_moe_mlp_dim": I_moe,
+        "routed_scaling_factor": hf.get("routed_scaling_factor", 1.0),
         "n_routing_groups": hf.get("n_group") or 1, "topk_routing_group": hf.get("topk_group") or 1,
-        "mtp_num_layers": hf.get("num_nextn_predict_layers", 0) or 0, **_rope(hf),
+        "mtp_num_layers": hf.get("num_nextn_predict_layers", 0) or 0, **_rope(hf, w),
+        **_special_ids(hf, explicit),
         "routed_bias_dtype": "float32",  # loss-free bias updates (~1e-3) vanish in bf16; the reference keeps fp32
     }
     if layout == "bailing":
-        E = _need(hf, "num_experts", w)
-        n_shared = hf.get("num_shared_experts") or 0
-        score = hf.get("score_function", hf.get("scoring_func", "sigmoid"))
+        n_shared = _pos_int(hf, "num_shared_experts", w, none_ok=True) if hf.get("num_shared_experts") else 0
+        shared = hf.get("moe_shared_expert_intermediate_size") or n_shared * I_moe
+        head_dim = _pos_int(hf, "head_dim", w) if hf.get("head_dim") else E // H
         o.update(
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // H,
-            inhomogeneous_layer_cycle_interval=_need(hf, "layer_group_size", w),
-            partial_rotary_factor=hf.get("partial_rotary_factor", 0.5), use_qk_norm=bool(hf.get("use_qk_norm", True)),
-            use_linear_silu=bool(hf.get("linear_silu", False)), group_norm_size=hf.get("group_norm_size", 1),
-            num_experts=E, routed_score_func=score, routed_bias=bool(hf.get("moe_router_enable_expert_bias", True)),
-            shared_experts=1 if n_shared else 0,
-            moe_shared_expert_dim=hf.get("moe_shared_expert_intermediate_size") or n_shared * hf["moe_intermediate_size"],
+            head_dim=head_dim, inhomogeneous_layer_cycle_interval=hf["layer_group_size"],
+            partial_rotary_factor=hf["partial_rotary_factor"], use_qk_norm=hf["use_qk_norm"],
+            use_linear_silu=hf["linear_silu"], group_norm_size=hf["group_norm_size"],
+            num_experts=hf["num_experts"],
+            routed_score_func=hf["score_function" if "score_function" in explicit else "scoring_func"],
+            routed_bias=hf["moe_router_enable_expert_bias"], shared_experts=1 if shared else 0,
+            moe_shared_expert_dim=shared, mtp_loss_scaling_factor=hf["mtp_loss_scaling_factor"],
         )
-        if hf.get("mtp_loss_scaling_factor"):
-            o["mtp_loss_scaling_factor"] = hf["mtp_loss_scaling_factor"]
     elif layout == "deepseek_v3":
         if not hf.get("norm_topk_prob", True):
             raise HFConfigError(f"{w}: norm_topk_prob false is not supported (Ling2 always normalises sigmoid weights)")
@@ -97,16 +193,26 @@ def hf_to_overrides(hf: dict, layout: str) -> dict:
             head_dim=hf["qk_rope_head_dim"], inhomogeneous_layer_cycle_interval=1, partial_rotary_factor=1.0,
             use_qk_norm=False, group_norm_size=1, num_experts=_need(hf, "n_routed_experts", w),
             routed_score_func="sigmoid", routed_bias=True, norm_topk_prob=True,
-            shared_experts=1 if n_shared else 0, moe_shared_expert_dim=n_shared * hf["moe_intermediate_size"],
+            shared_experts=1 if n_shared else 0, moe_shared_expert_dim=n_shared * I_moe,
         )
     else:
         raise HFConfigError(f"layout: unknown {layout!r} (known: {LAYOUTS})")
+    if o["rope_type"] == "default" and o["max_position_embeddings"] < _base_fields()["max_target_length"]:
+        o["max_target_length"] = o["max_position_embeddings"]  # base.yml's training length would not fit
     return o
 
 
 def load_ling2_config(hf: dict, layout: str, *overrides, **kwargs):
-    """A full Ling2 Config: base.yml, then the HF fields, then `overrides` (key=value or dicts)."""
-    return load_config(hf_to_overrides(hf, layout), *overrides, **kwargs)
+    """A full Ling2 Config: base.yml, then the HF fields (and `hf_source_config` = `hf`), then
+    `overrides` (key=value or dicts). A value Ling2 rejects is reported with its config.json name."""
+    try:
+        return load_config(hf_to_overrides(hf, layout), {"hf_source_config": dict(hf)}, *overrides, **kwargs)
+    except ConfigError as e:
+        def name(m):  # "field (from override):" or "field:" at a line start -> the config.json name too
+            hk = HF_NAMES.get(m.group(2))
+            return f"{m.group(1)}{hk} (Ling2 {m.group(2)}):" if hk else m.group(0)
+        msg = re.sub(r"(?m)^(\s*)(\w+)(?: \(from override\))?:", name, str(e))
+        raise HFConfigError(f"config.json ({layout}) does not make a valid Ling2 config: {msg}") from None
 
 
 def _rope_scaling(cfg):
@@ -120,13 +226,12 @@ def _rope_scaling(cfg):
 TORCH_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float64"}
 
 
-def config_to_hf(cfg, layout: str, torch_dtype: str = "") -> dict:
-    """config.json for a Ling2 config in `layout`; loaders (HF, vLLM) read these fields."""
+def _generated(cfg, layout: str, torch_dtype: str) -> dict:
     shared_width = cfg.shared_experts * cfg.shared_expert_dim
     common = {
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.emb_dim, "intermediate_size": cfg.mlp_dim,
         "num_hidden_layers": cfg.num_decoder_layers, "num_attention_heads": cfg.num_query_heads,
-        "num_key_value_heads": cfg.num_query_heads, "hidden_act": "silu",
+        "num_key_value_heads": cfg.num_kv_heads, "hidden_act": "silu",
         "rms_norm_eps": cfg.normalization_layer_epsilon, "tie_word_embeddings": cfg.logits_via_embedding,
         "initializer_range": cfg.init_std, "max_position_embeddings": cfg.max_position_embeddings,
         "rope_theta": cfg.rope_max_timescale, "rope_scaling": _rope_scaling(cfg),
@@ -137,20 +242,23 @@ def config_to_hf(cfg, layout: str, torch_dtype: str = "") -> dict:
         "moe_intermediate_size": cfg.base_moe_mlp_dim, "routed_scaling_factor": cfg.routed_scaling_factor,
         "n_group": cfg.n_routing_groups, "topk_group": cfg.topk_routing_group,
         "num_nextn_predict_layers": cfg.mtp_num_layers, "torch_dtype": torch_dtype or cfg.weight_dtype,
+        "pad_token_id": cfg.pad_id if cfg.pad_id >= 0 else None, "eos_token_id": cfg.eod_id,
     }
     if layout == "bailing":
-        n_shared = 0
+        n_shared = None
         if shared_width:
-            I = cfg.base_moe_mlp_dim
-            n_shared = shared_width // I if shared_width % I == 0 else 1
+            if shared_width % cfg.base_moe_mlp_dim:
+                raise HFConfigError(f"layout bailing: the shared expert width {shared_width} is not a multiple of "
+                                    f"base_moe_mlp_dim={cfg.base_moe_mlp_dim}; the official code builds it as "
+                                    "num_shared_experts * moe_intermediate_size")
+            n_shared = shared_width // cfg.base_moe_mlp_dim
         return {
             "architectures": ["BailingMoeV2_5ForCausalLM"], "model_type": "bailing_moe_v2_5",
-            "auto_map": {"AutoConfig": "configuration_bailing_moe_v2_5.BailingMoeV2_5Config",
-                         "AutoModelForCausalLM": "modeling_bailing_moe_v2_5.BailingMoeV2_5ForCausalLM"},
-            **common, "head_dim": cfg.head_dim, "layer_group_size": cfg.inhomogeneous_layer_cycle_interval,
+            "auto_map": dict(BAILING_AUTO_MAP), **BAILING_DEFAULTS, **common, "head_dim": cfg.head_dim,
+            "layer_group_size": cfg.inhomogeneous_layer_cycle_interval,
             "group_norm_size": cfg.group_norm_size, "linear_silu": cfg.use_linear_silu, "use_qk_norm": cfg.use_qk_norm,
             "partial_rotary_factor": cfg.partial_rotary_factor, "num_experts": cfg.num_experts,
-            "num_shared_experts": n_shared or None, "moe_shared_expert_intermediate_size": shared_width or None,
+            "num_shared_experts": n_shared, "moe_shared_expert_intermediate_size": shared_width or None,
             "score_function": cfg.routed_score_func, "scoring_func": cfg.routed_score_func,
             "moe_router_enable_expert_bias": cfg.routed_bias, "mtp_loss_scaling_factor": cfg.mtp_loss_scaling_factor,
             "use_qkv_bias": False, "use_bias": False,
@@ -168,3 +276,44 @@ def config_to_hf(cfg, layout: str, torch_dtype: str = "") -> dict:
                 "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
                 "attention_bias": False, "head_dim": cfg.qk_rope_head_dim}
     raise HFConfigError(f"layout: unknown {layout!r} (known: {LAYOUTS})")
+
+
+def config_to_hf(cfg, layout: str, torch_dtype: str = "") -> dict:
+    """config.json for a Ling2 config in `layout`: every field the official config class reads.
+
+    With `cfg.hf_source_config` (the config.json it was converted from), the output follows the source:
+    its fields Ling2 does not model verbatim, its spelling of those Ling2 does where that still maps to
+    `cfg`'s values, and a field it left out stays out where its default means the same."""
+    out = _generated(cfg, layout, torch_dtype)
+    src = cfg.hf_source_config
+    if not src or detect_layout(src) != layout:
+        return out
+    want = _meaning(out, layout)
+    for k, v in src.items():
+        if k in _OURS or out.get(k) == v:
+            continue
+        if k not in out:
+            out[k] = v
+            continue
+        try:
+            same = _meaning({**out, k: v}, layout) == want
+        except HFConfigError:
+            same = False
+        if same:
+            out[k] = v
+    for k in [k for k in out if k not in src and k not in _OURS + _STRUCTURE]:
+        rest = {kk: vv for kk, vv in out.items() if kk != k}
+        if _meaning(rest, layout) == want:  # the source left it to its default: so do we
+            out = rest
+    return out
+
+
+def _meaning(hf: dict, layout: str) -> dict:
+    """The Ling2 fields a config.json sets, over base.yml's defaults (so a key left to its default and the
+    same value written out mean the same)."""
+    return {**_base_fields(), **hf_to_overrides(hf, layout)}
+
+
+@functools.lru_cache(maxsize=1)
+def _base_fields() -> dict:
+    return load_config().model_dump()

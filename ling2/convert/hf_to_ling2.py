@@ -4,12 +4,13 @@
       [--layout auto|bailing|deepseek_v3] [--allow_missing_mtp] [--set key=value ...]
 
 Writes CKPT_DIR/config.yml and CKPT_DIR/state/ (per-leaf safetensors; see ling2/convert/convert.py).
+Bad input (a missing, malformed or mis-shaped file or field) is one `error:` line on stderr and exit 2.
 """
 
 import argparse
 import sys
 
-from ling2.convert.convert import convert_hf_to_ling2
+from ling2.convert.convert import USER_ERRORS, convert_hf_to_ling2, report
 
 
 def main(argv=None) -> int:
@@ -23,8 +24,11 @@ def main(argv=None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra Ling2 config overrides")
     p.add_argument("--no_progress", action="store_true")
     a = p.parse_args(argv)
-    cfg = convert_hf_to_ling2(a.hf_dir, a.out, scan_layers=a.scan_layers, dtype=a.dtype, layout=a.layout,
-                              allow_missing_mtp=a.allow_missing_mtp, overrides=a.set, progress=not a.no_progress)
+    try:
+        cfg = convert_hf_to_ling2(a.hf_dir, a.out, scan_layers=a.scan_layers, dtype=a.dtype, layout=a.layout,
+                                  allow_missing_mtp=a.allow_missing_mtp, overrides=a.set, progress=not a.no_progress)
+    except USER_ERRORS as e:
+        return report(e)
     print(f"wrote {a.out}: {cfg.num_decoder_layers} layers + {cfg.mtp_num_layers} MTP, scan_layers={cfg.scan_layers}")
     return 0
 

@@ -218,3 +218,28 @@ def simple_gla_step(state, q_t, k_t, v_t, g, *, scale=None, reset=None):
     new = decay[..., None, None] * state.astype(f32) + k_t.astype(f32)[..., :, None] * v_t.astype(f32)[..., None, :]
     o_t = scale * jnp.einsum("bhk,bhkv->bhv", q_t.astype(f32), new, precision=jax.lax.Precision.HIGHEST)
     return o_t.astype(q_t.dtype), new
+
+
+def segment_end_states(k, v, g, segment_ids, num_docs: int):
+    """The state at the end of each of the first `num_docs` documents of every row, each started
+    from zero: S_d = sum over t in d of exp(g)^(end_d - t) k_t^T v_t (the closed form of the
+    recurrence for a per-head decay). What a packed prefill hands each document's own decode row.
+
+    Args:
+      k: [B, T, H, K]; v: [B, T, H, V]; g: per-head log-decay [H].
+      segment_ids: [B, T]; a document is a run of equal ids (`doc_index`).
+      num_docs: N, documents returned per row (missing ones are zero).
+    Returns:
+      [B, N, H, K, V] fp32.
+    """
+    B, T, H, _ = k.shape
+    if g.shape != (H,):
+        raise ValueError(f"segment_end_states: g must be per head [H]={H,}, got {g.shape}")
+    doc = doc_index(segment_ids)  # [B, T]
+    t = jnp.arange(T, dtype=jnp.int32)
+    in_doc = doc[:, None, :] == jnp.arange(num_docs, dtype=jnp.int32)[None, :, None]  # [B, N, T]
+    end = jnp.max(jnp.where(in_doc, t, -1), axis=-1)  # [B, N]
+    age = (end[:, :, None] - t).astype(jnp.float32)  # [B, N, T]
+    w = jnp.where(in_doc[..., None], jnp.exp(age[..., None] * g.astype(jnp.float32)), 0.0)  # [B, N, T, H]
+    f32 = jnp.float32
+    return jnp.einsum("bnth,bthk,bthv->bnhkv", w, k.astype(f32), v.astype(f32), precision=jax.lax.Precision.HIGHEST)

@@ -116,11 +116,14 @@ class GatedLinearAttention(nnx.Module):
         return jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=(spec, state_spec), check_vma=False)(
             q, k, v, g, seg, *state)
 
-    def __call__(self, x_BTE, positions_BT, segment_ids_BT=None, cache=None, log_decay=None):
+    def __call__(self, x_BTE, positions_BT, segment_ids_BT=None, cache=None, log_decay=None, decode=None):
         """Returns out [B,T,E] (and the updated cache when one is given).
 
         `log_decay`: optional [H] log-decays replacing this layer's own constants (a scanned
-        decoder passes each layer's as a scanned-over value)."""
+        decoder passes each layer's as a scanned-over value). With a cache, `decode` (a
+        `ling2.layers.decode.DecodeState`; None: prefill unless T == 1) picks the chunked kernel
+        from the cached state (prefill; segment ids reset it, so left padding never reaches a
+        row's document) or one recurrence step per token (decode)."""
         B, T, _ = x_BTE.shape
         x = x_BTE.astype(jnp.dtype(self.dtype))
         qkv = jnp.einsum("bte,eshd->btshd", x, self._w(self.qkv))
@@ -137,15 +140,25 @@ class GatedLinearAttention(nnx.Module):
         if segment_ids_BT is None:
             segment_ids_BT = jnp.zeros((B, T), jnp.int32)
         h0 = None if cache is None else cache["state"]
-        if cache is not None and T == 1:
-            o, hT = gla.simple_gla_step(h0, q[:, 0], k[:, 0], v[:, 0], g)
-            o = o[:, None]
+        new = {}
+        if cache is not None and (T == 1 if decode is None else not decode.fresh):
+            o, states = [], []
+            hT = h0
+            for t in range(T):
+                o_t, hT = gla.simple_gla_step(hT, q[:, t], k[:, t], v[:, t], g)
+                o.append(o_t)
+                states.append(hT)
+            o = jnp.stack(o, axis=1)
+            if decode is not None and decode.token_states:
+                new["states"] = jnp.stack(states, axis=1)
         else:
             o, hT = self._kernel(q, k, v, g, segment_ids_BT, h0)
+            if decode is not None and decode.packed_docs:
+                new["doc_states"] = gla.segment_end_states(k, v, g, segment_ids_BT, decode.packed_docs)
         o = sharding.constrain(o, names)
         o = self.g_norm(o.reshape(B, T, self.H * self.D)).reshape(B, T, self.H, self.D)
         gate = jax.nn.sigmoid(jnp.einsum("bte,ehd->bthd", x, self._w(self.g_proj)).astype(jnp.float32))
         o = (o.astype(jnp.float32) * gate).astype(x.dtype)
         out = jnp.einsum("bthd,hde->bte", o, self._w(self.dense))
         out = sharding.constrain(out, ("activation_batch", "activation_length", "activation_embed"))
-        return out if cache is None else (out, {"state": hT})
+        return out if cache is None else (out, {"state": hT, **new})

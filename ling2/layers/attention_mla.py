@@ -13,9 +13,11 @@ other). Backends (cfg.attention_kernel): "dot_product" (plain einsum, the refere
 "blocked" (the same einsums per query block over only the keys up to the block's end: the
 causal half of the work and of the [T, S] buffers; the default, and the CPU choice),
 "cudnn" (jax.nn.dot_product_attention: cuDNN flash on GPU, XLA elsewhere), "flash"
-(Pallas splash attention when lowered for TPU, even from a CPU host; interpret mode
-elsewhere, for tests only; decode with a cache uses the plain path). Decode keeps a latent KV cache: normed c_kv and rotated k_rope
-per position; writing past its end turns the output into NaN rather than wrong numbers.
+(Pallas splash attention when lowered for TPU, even from a CPU host; interpret mode elsewhere,
+for tests only; decode with a cache uses the plain path). Decode keeps a latent KV cache
+(normed c_kv and rotated k_rope per slot, `ling2.layers.decode`) and attends in the absorbed form: q_nope mapped into the latent
+space by kv_b's key half, scores and the weighted sum taken against the latents, then kv_b's
+value half (`MLA.absorbed`); writing past the cache's end turns the output into NaN.
 """
 
 import jax
@@ -24,6 +26,8 @@ import numpy as np
 from flax import nnx
 
 from ling2.layers import norms, rope, yarn
+from ling2.layers.decode import attention_mask as decode_mask
+from ling2.layers.decode import overflow_to_nan, write_rows
 from ling2.layers.sharding import constrain
 
 # The reference's q_a_layernorm / kv_a_layernorm use eps 1e-6 whatever the config says.
@@ -158,17 +162,17 @@ class MLA(nnx.Module):
         self.scale = yarn.mla_softmax_scale(cfg)
 
     def init_cache(self, batch: int, max_len: int):
-        """Empty latent cache: normed c_kv [B,S,kv_lora], rotated k_rope [B,S,rope], next write index."""
+        """Empty latent cache: normed c_kv [B,S,kv_lora] and rotated k_rope [B,S,rope] per slot (the
+        slot bookkeeping is `ling2.layers.decode`'s)."""
         dt = jnp.dtype(self.dtype)
-        return {"c_kv": jnp.zeros((batch, max_len, self.Rkv), dt), "k_rope": jnp.zeros((batch, max_len, self.Dr), dt),
-                "index": jnp.zeros((), jnp.int32)}
+        return {"c_kv": jnp.zeros((batch, max_len, self.Rkv), dt), "k_rope": jnp.zeros((batch, max_len, self.Dr), dt)}
 
     def _w(self, p):
         return p[...].astype(jnp.dtype(self.dtype))
 
-    def __call__(self, x_BTE, positions_BT, segment_ids_BT=None, cache=None):
-        """Returns out [B,T,E] (and the updated cache when one is given)."""
-        B, T, _ = x_BTE.shape
+    def project(self, x_BTE, positions_BT):
+        """(q [B,T,H,nope+rope] with its rope part rotated, normed c_kv [B,T,kv_lora], rotated k_rope
+        [B,T,rope]): everything attention needs from the new tokens; the latents are what a cache keeps."""
         x = x_BTE.astype(jnp.dtype(self.dtype))
         if self.Rq:
             q_a = self.q_a_norm(jnp.einsum("bte,er->btr", x, self._w(self.q_a)))
@@ -183,48 +187,82 @@ class MLA(nnx.Module):
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         rot = lambda t: rope.apply_rotary(t, positions_BT, self.Dr, inv_freq=self.inv_freq, scaling=self.rope_scaling)
         q_rope, k_rope = rot(q_rope), rot(k_rope)[:, :, 0]
-        q_BTHK = jnp.concatenate([q_BTHK[..., :self.Dn], q_rope], axis=-1)
+        return jnp.concatenate([q_BTHK[..., :self.Dn], q_rope], axis=-1), c_kv, k_rope
 
+    def expand(self, c_kv_BSC, k_rope_BSR):
+        """Per-head K [B,S,H,nope+rope] and V [B,S,H,v] from latents (kv_b up-projection)."""
+        kv = jnp.einsum("bsr,rhk->bshk", c_kv_BSC, self._w(self.kv_b))
+        k_nope, v_BSHV = kv[..., :self.Dn], kv[..., self.Dn:]
+        k_BSHK = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope_BSR[:, :, None], (*k_nope.shape[:3], self.Dr))],
+                                 axis=-1)
+        names = ("activation_batch", "activation_length", "activation_heads", None)
+        return constrain(k_BSHK, names), constrain(v_BSHV, names)
+
+    def absorbed(self, q_BTHK, c_kv_BSC, k_rope_BSR, mask_BTS):
+        """Attention against latents without expanding them: o [B,T,H,v].
+
+        q_nope is mapped into the latent space by kv_b's key half (q_lat = q_nope W_kb^T, [B,T,H,kv_lora]),
+        scores are q_lat.c_kv + q_rope.k_rope, the probabilities average the latents and kv_b's value
+        half maps the result up: the same numbers as attending to expand()'s K and V, in kv_lora +
+        rope work per cached slot and head instead of an up-projection of every slot."""
+        w = self._w(self.kv_b)
+        w_k, w_v = w[..., :self.Dn], w[..., self.Dn:]
+        f32 = jnp.float32
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_BTHK[..., :self.Dn], w_k, preferred_element_type=f32)
+        logits = (jnp.einsum("bthr,bsr->bhts", q_lat.astype(c_kv_BSC.dtype), c_kv_BSC, preferred_element_type=f32)
+                  + jnp.einsum("bthd,bsd->bhts", q_BTHK[..., self.Dn:], k_rope_BSR, preferred_element_type=f32))
+        logits = jnp.where(mask_BTS[:, None], logits * self.scale, NEG_INF)
+        probs = jax.nn.softmax(logits, axis=-1).astype(c_kv_BSC.dtype)
+        o_lat = jnp.einsum("bhts,bsr->bthr", probs, c_kv_BSC, preferred_element_type=f32)
+        return jnp.einsum("bthr,rhv->bthv", o_lat.astype(w_v.dtype), w_v, preferred_element_type=f32).astype(
+            q_BTHK.dtype)
+
+    def _attend(self, q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, mask_BTS=None):
+        """The configured kernel; `mask_BTS` None: causal + same segment among the T tokens themselves."""
+        kernel = self.kernel
+        if kernel == "flash" and mask_BTS is None:
+            return splash_attention(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, self.scale)
+        if kernel == "blocked" and mask_BTS is None:
+            return blocked_attention(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, self.scale, self.block)
+        if mask_BTS is None:
+            index = jnp.broadcast_to(jnp.arange(q_BTHK.shape[1], dtype=jnp.int32), segment_ids_BT.shape)
+            mask_BTS = attention_mask(segment_ids_BT, segment_ids_BT, index, index)
+        if kernel == "cudnn":
+            return jax_attention(q_BTHK, k_BSHK, v_BSHV, mask_BTS, self.scale)
+        if kernel in ("dot_product", "blocked", "flash"):
+            return dot_product_attention(q_BTHK, k_BSHK, v_BSHV, mask_BTS, self.scale)
+        raise ValueError(f"attention_kernel: unknown {kernel!r}")
+
+    def __call__(self, x_BTE, positions_BT, segment_ids_BT=None, cache=None, decode=None):
+        """Returns out [B,T,E] (and the updated cache when one is given).
+
+        With a cache, `decode` (a `ling2.layers.decode.DecodeState`) says where the new tokens go:
+        a fresh prefill attends among the new tokens with the configured kernel and stores their
+        latents; later calls store theirs and attend to every visible slot, absorbed or expanded."""
+        B, T, _ = x_BTE.shape
+        q_BTHK, c_kv, k_rope = self.project(x_BTE, positions_BT)
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
-        q_index = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        q_segment = kv_segment = segment_ids_BT
-        kv_index = q_index
-        if cache is not None:  # one document per row; unwritten slots lie in every query's future
-            start = cache["index"]
-            put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), start, 1)
-            cache = {"c_kv": put(cache["c_kv"], c_kv), "k_rope": put(cache["k_rope"], k_rope), "index": start + T}
-            c_kv, k_rope = cache["c_kv"].astype(x.dtype), cache["k_rope"].astype(x.dtype)
-            S = c_kv.shape[1]
-            kv_index = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-            q_index = q_index + start
-            q_segment, kv_segment = jnp.ones((B, T), jnp.int32), jnp.ones((B, S), jnp.int32)
-
-        kv = jnp.einsum("bsr,rhk->bshk", c_kv, self._w(self.kv_b))
-        k_nope, v_BSHV = kv[..., :self.Dn], kv[..., self.Dn:]
-        k_BSHK = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], (*k_nope.shape[:3], self.Dr))], axis=-1)
-        k_BSHK = constrain(k_BSHK, ("activation_batch", "activation_length", "activation_heads", None))
-        v_BSHV = constrain(v_BSHV, ("activation_batch", "activation_length", "activation_heads", None))
-
-        kernel = self.kernel
-        if kernel == "flash" and cache is None:
-            o_BTHV = splash_attention(q_BTHK, k_BSHK, v_BSHV, q_segment, self.scale)
-        elif kernel == "blocked" and cache is None:
-            o_BTHV = blocked_attention(q_BTHK, k_BSHK, v_BSHV, q_segment, self.scale, self.block)
+        if cache is not None:
+            cache = {"c_kv": write_rows(cache["c_kv"], c_kv, decode.index_B),
+                     "k_rope": write_rows(cache["k_rope"], k_rope, decode.index_B)}
+        if cache is None or decode.fresh:
+            k_BSHK, v_BSHV = self.expand(c_kv, k_rope)
+            o_BTHV = self._attend(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT)
         else:
-            mask = attention_mask(q_segment, kv_segment, q_index, kv_index)
-            if kernel == "cudnn":
-                o_BTHV = jax_attention(q_BTHK, k_BSHK, v_BSHV, mask, self.scale)
-            elif kernel in ("dot_product", "blocked", "flash"):
-                o_BTHV = dot_product_attention(q_BTHK, k_BSHK, v_BSHV, mask, self.scale)
+            mask = decode_mask(decode, segment_ids_BT)
+            c_all, r_all = cache["c_kv"].astype(q_BTHK.dtype), cache["k_rope"].astype(q_BTHK.dtype)
+            if decode.absorb:
+                o_BTHV = self.absorbed(q_BTHK, c_all, r_all, mask)
             else:
-                raise ValueError(f"attention_kernel: unknown {kernel!r}")
+                k_BSHK, v_BSHV = self.expand(c_all, r_all)
+                o_BTHV = self._attend(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, mask)
         o_BTHV = constrain(o_BTHV, ("activation_batch", "activation_length", "activation_heads", None))
         if self.output_gate:
             gate = jax.nn.sigmoid(jnp.einsum("bte,eh->bth", x, self._w(self.g_proj)).astype(jnp.float32))
             o_BTHV = (o_BTHV.astype(jnp.float32) * gate[..., None]).astype(o_BTHV.dtype)
         out = jnp.einsum("bthv,hve->bte", o_BTHV, self._w(self.dense))
-        if cache is not None:  # dynamic_update_slice would clamp an overflowing write silently
-            out = jnp.where(cache["index"] <= cache["c_kv"].shape[1], out, jnp.nan)
         out = constrain(out, ("activation_batch", "activation_length", "activation_embed"))
-        return out if cache is None else (out, cache)
+        if cache is None:
+            return out
+        return overflow_to_nan(out, decode, T, cache["c_kv"].shape[1]), cache

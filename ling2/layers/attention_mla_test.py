@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from ling2.config import load_config
-from ling2.layers import attention_mla, yarn
+from ling2.layers import attention_mla, decode, yarn
 
 
 def tiny(**kw):
@@ -36,7 +36,7 @@ def rope64(x, pos, inv_freq, amp, interleaved):
 
 def mla64(cfg, p, x, pos, seg):
     """MLA in float64 numpy, one softmax per (batch, head, query)."""
-    Dn, Dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    Dn = cfg.qk_nope_head_dim
     norm = lambda a, w: w * a / np.sqrt(np.mean(a * a, -1, keepdims=True) + 1e-6)
     if cfg.q_lora_rank:
         q = np.einsum("btr,rhk->bthk", norm(x @ p["q_a"], p["q_a_norm/weight"]), p["q_b"])
@@ -124,22 +124,29 @@ def test_blocked_layer_matches_float64_reference():
                                rtol=2e-4, atol=2e-5)
 
 
-def test_kv_cache_decode_matches_full_forward():
+def _cached(m, x, pos, shared, layer_cache, **flags):
+    state = decode.begin(shared, jnp.ones(x.shape[:2], jnp.int32), **flags)
+    out, layer_cache = m(jnp.asarray(x), jnp.asarray(pos), cache=layer_cache, decode=state)
+    return np.asarray(out), decode.end(state, x.shape[1], None), layer_cache
+
+
+@pytest.mark.parametrize("absorb", [True, False])
+def test_kv_cache_decode_matches_full_forward(absorb):
     cfg = tiny()
     m = attention_mla.MLA(cfg, rngs=nnx.Rngs(0))
     x, pos, _ = inputs(cfg, B=2, T=9)
     pos = np.broadcast_to(np.arange(9), (2, 9))
     full = np.asarray(m(jnp.asarray(x), jnp.asarray(pos)))
-    cache = m.init_cache(2, 16)
-    out, cache = m(jnp.asarray(x[:, :4]), jnp.asarray(pos[:, :4]), cache=cache)  # prefill 4
-    steps = [np.asarray(out)]
+    shared, cache = decode.empty(2, 16), m.init_cache(2, 16)
+    out, shared, cache = _cached(m, x[:, :4], pos[:, :4], shared, cache, fresh=True, absorb=absorb)  # prefill 4
+    steps = [out]
     for t in range(4, 9):
-        out, cache = m(jnp.asarray(x[:, t:t + 1]), jnp.asarray(pos[:, t:t + 1]), cache=cache)
-        steps.append(np.asarray(out))
-    assert int(cache["index"]) == 9
+        out, shared, cache = _cached(m, x[:, t:t + 1], pos[:, t:t + 1], shared, cache, absorb=absorb)
+        steps.append(out)
+    assert np.asarray(shared["index"]).tolist() == [9, 9]
     np.testing.assert_allclose(np.concatenate(steps, 1), full, rtol=1e-4, atol=1e-5)
-    over, _ = m(jnp.asarray(x), jnp.asarray(pos), cache=cache)  # 9 more tokens do not fit in 16 slots
-    assert np.isnan(np.asarray(over)).all()
+    over, *_ = _cached(m, x, pos, shared, cache, absorb=absorb)  # 9 more tokens do not fit in 16 slots
+    assert np.isnan(over).all()
 
 
 def test_causal_and_packing_isolation():

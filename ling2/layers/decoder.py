@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from ling2.config import DecoderBlockType
+from ling2.layers import decode as decode_lib
 from ling2.layers import losses, norms
 from ling2.layers.attention_gla import GatedLinearAttention, layer_slopes
 from ling2.layers.attention_kda import KimiDeltaAttention
@@ -70,11 +71,14 @@ class DecoderLayer(nnx.Module):
             return self.attention.init_cache(batch, max_len)
         return self.attention.init_cache(batch)
 
-    def __call__(self, x_BTE, positions_BT, segment_ids_BT, valid_BT=None, cache=None, log_decay=None):
+    def __call__(self, x_BTE, positions_BT, segment_ids_BT, valid_BT=None, cache=None, log_decay=None, decode=None):
         """Returns (x [B,T,E], MoEAux or None), plus the new attention cache when `cache` is given.
 
-        `log_decay`: a GLA layer's [H] log-decays when they are traced values (scanned groups)."""
+        `log_decay`: a GLA layer's [H] log-decays when they are traced values (scanned groups).
+        `decode`: the cached call's `ling2.layers.decode.DecodeState`."""
         extra = {} if log_decay is None else {"log_decay": log_decay}
+        if decode is not None:
+            extra["decode"] = decode
         a = self.attention(self.input_norm(x_BTE), positions_BT, segment_ids_BT, cache=cache, **extra)
         a, cache = a if cache is not None else (a, None)
         h = constrain(x_BTE + a.astype(x_BTE.dtype), ACT)
@@ -190,20 +194,29 @@ class Ling2Decoder(nnx.Module):
         return out + [(p + n * k + j, layer) for j, layer in enumerate(self.suffix)]
 
     def init_cache(self, batch: int, max_len: int) -> dict:
-        """Decode caches {layer index: cache}: MLA latent KV of `max_len` slots, GLA recurrent state."""
-        return {i: layer.init_cache(batch, max_len) for i, layer in self.layer_list()}
+        """An empty decode cache of `max_len` slots per row (`ling2.layers.decode`): "index", "segment"
+        and "layers" {layer index: MLA latents of every slot, or GLA recurrent state}."""
+        layers = {i: layer.init_cache(batch, max_len) for i, layer in self.layer_list()}
+        return {**decode_lib.empty(batch, max_len), "layers": layers}
 
-    def decode(self, ids_BT, positions_BT, cache: dict):
-        """Runs T new tokens (prefill or one step) against `cache`, one document per row.
+    def decode(self, ids_BT, positions_BT, cache: dict, segment_ids_BT=None, return_logits: bool = True,
+               **flags):
+        """Runs T new tokens per row against `cache`, written from each row's cache index on.
 
-        Returns (DecoderOutput, new cache). Scanned models run their layers one by one here.
+        segment_ids_BT: document ids (default 1; 0 marks padding that nothing attends to).
+        flags: `ling2.layers.decode.DecodeState`'s fresh (prefill into empty rows), absorb,
+        token_states, packed_docs. Returns (DecoderOutput, new cache). Scanned models run their
+        layers one by one here.
         """
+        if segment_ids_BT is None:
+            segment_ids_BT = jnp.ones(ids_BT.shape, jnp.int32)
+        state = decode_lib.begin(cache, segment_ids_BT, **flags)
         x = self.embed(ids_BT)
-        segment_ids_BT = jnp.ones(ids_BT.shape, jnp.int32)
         aux, new = {}, {}
         for i, layer in self.layer_list():
-            x, aux[i], new[i] = layer(x, positions_BT, segment_ids_BT, cache=cache[i])
-        return self._head(x, aux), new
+            x, aux[i], new[i] = layer(x, positions_BT, segment_ids_BT, segment_ids_BT != 0,
+                                      cache=cache["layers"][i], decode=state)
+        return self._head(x, aux, return_logits), decode_lib.end(state, ids_BT.shape[1], new)
 
     def logits(self, hidden_BTE):
         """Output logits [B, T, V] of final-normed hidden states."""

@@ -21,9 +21,11 @@ from flax import nnx
 from ling2.config import Config
 from ling2.layers import attention_gla, attention_kda, attention_mla, moe
 from ling2.layers.decoder import DecoderOutput, build_decoder
+from ling2.layers.embed import Embed
 from ling2.layers.moe import bias_update
 from ling2.layers.moe_router import RoutedBias
 from ling2.layers.mtp import MTP, MTPOutput
+from ling2.layers.norms import GroupRMSNorm, RMSNorm
 from ling2.layers.plan import layer_plan
 
 
@@ -104,6 +106,28 @@ def _abstract_model(cfg_json: str) -> Ling2Model:
 
 
 abstract_model.cache_clear = _abstract_model.cache_clear
+
+
+def param_roles(cfg) -> dict:
+    """{state path: role} of every Variable of Ling2Model(cfg), from the module that owns it:
+    'embedding' (the token embedding), 'norm' (an RMSNorm / GroupRMSNorm scale), 'bias' (a loss-free
+    expert bias) or 'matrix' (every other weight: projections, experts, router, lm_head, eh_proj).
+    A scanned stack holds the same modules, so its Variables get the same roles as unscanned ones."""
+    nodes = list(nnx.iter_graph(abstract_model(cfg)))
+    modules = {path: node for path, node in nodes if isinstance(node, nnx.Module)}
+    roles = {}
+    for path, node in nodes:
+        if isinstance(node, nnx.Variable):
+            owner = modules.get(path[:-1])
+            if isinstance(node, RoutedBias):
+                roles[path] = "bias"
+            elif isinstance(owner, (RMSNorm, GroupRMSNorm)):
+                roles[path] = "norm"
+            elif isinstance(owner, Embed):
+                roles[path] = "embedding"
+            else:
+                roles[path] = "matrix"
+    return roles
 
 
 def count_params(cfg) -> dict:

@@ -2,8 +2,9 @@
 
 Routing (ling2.layers.moe_router): fp32 gate, sigmoid or softmax scores, a selection-only
 expert bias, group-limited top-k, weights from the unbiased scores.
-Experts (ling2.layers.moe_experts): dropless sort + grouped matmul (`sparse_matmul`), or
-the dense one-hot path with `capacity_factor`. Under a mesh whose `expert` axis is > 1
+Experts (ling2.layers.moe_experts): dropless sort + grouped matmul (`sparse_matmul`; with at
+most E assignments, as in decoding, each token's experts' weights gathered instead), or the
+dense one-hot path with `capacity_factor`. Under a mesh whose `expert` axis is > 1
 (`jax.set_mesh`, e.g. ling2.layers.sharding.use_mesh) the dropless path runs expert
 parallel (ling2.layers.moe_ep).
 
@@ -103,6 +104,8 @@ class MoE(nnx.Module):
         elif moe_ep.expert_axis_size(mesh) > 1:
             y_BSD = moe_ep.dropless_ep(x_BSD, experts_BSK, weights_BSK, w, mesh=mesh, rules=cfg.logical_axis_rules,
                                        gmm=gmm)
+        elif T * K <= E:  # decode-sized: gathering the chosen experts reads fewer weights than a grouped matmul
+            y_BSD = moe_experts.gathered(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w).reshape(B, S, D)
         else:
             y_BSD = moe_experts.dropless(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w, gmm).reshape(B, S, D)
         if self.shared_experts is not None:

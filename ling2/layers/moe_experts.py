@@ -80,6 +80,14 @@ def dropless(x_TD, experts_TK, weights_TK, w, gmm: str):
     return combine(y_TKD, weights_TK, x_TD.dtype)
 
 
+def gathered(x_TD, experts_TK, weights_TK, w):
+    """Routed output [T, D] from each token's K experts' weights gathered ([T, K, D, F]): the same
+    sum as `dropless`, reading T*K experts' weights instead of every expert's (decode-sized T)."""
+    wg, wu, wd = (a[experts_TK] for a in w)
+    h = jax.nn.silu(jnp.einsum("td,tkdf->tkf", x_TD, wg)) * jnp.einsum("td,tkdf->tkf", x_TD, wu)
+    return combine(jnp.einsum("tkf,tkfd->tkd", h, wd), weights_TK, x_TD.dtype)
+
+
 def capacity(seq_len: int, k: int, num_experts: int, capacity_factor: float) -> int:
     """Slots per expert per sequence: ceil(S*K/E * factor), or S (nothing dropped) when factor <= 0."""
     if capacity_factor <= 0:

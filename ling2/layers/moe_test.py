@@ -155,6 +155,17 @@ def test_output_matches_numpy_loop(path):
     assert float(aux.stats["dropped"]) == 0
 
 
+def test_decode_sized_input_gathers_experts_and_matches_numpy_loop(monkeypatch):
+    cfg = tiny()
+    m = MoE(cfg, rngs=nnx.Rngs(0), gmm="tiled")
+    randomize_bias(m)
+    x = jax.random.normal(jax.random.key(2), (2, 2, cfg.emb_dim))  # T*K = 16 = E assignments: gathered
+    monkeypatch.setattr(moe_experts, "grouped_ffn", lambda *a: (_ for _ in ()).throw(AssertionError("grouped")))
+    y, _ = nnx.jit(lambda m, x: m(x))(m, x)
+    ref, _ = ref_moe(m, np.asarray(x).reshape(4, -1))
+    np.testing.assert_allclose(np.asarray(y).reshape(4, -1), ref, rtol=1e-4, atol=1e-6)
+
+
 def test_ragged_equals_dense_at_high_capacity():
     cfg = tiny()
     x = jax.random.normal(jax.random.key(4), (2, 8, cfg.emb_dim))

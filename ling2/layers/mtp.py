@@ -11,8 +11,9 @@ Depth k = 1..K predicts the token k+1 ahead of each position:
 Shifts stay inside each packed document (`roll_and_mask_by_segment`): a position whose
 shifted token lies in another document or past the row end is fed `fill` and dropped from
 the loss. Each depth returns sums (CE, token count, correct argmax) so the trainer can
-normalise per depth under gradient accumulation; `mtp_loss` and `acceptance_rate` turn
-the sums into the loss and the speculative-decoding metric.
+normalise per depth under gradient accumulation; `mtp_loss` and `top1_accuracy` turn
+the sums into the loss and the teacher-forced top-1 accuracy (not the acceptance rate of
+speculative decoding, whose inputs are drafts: `ling2.infer.generation` measures that).
 """
 
 from typing import NamedTuple
@@ -69,8 +70,9 @@ def mtp_loss(ce_sum_K, ce_count_K, scaling):
     return scaling * jnp.mean(ce_sum_K / jnp.maximum(ce_count_K, 1))
 
 
-def acceptance_rate(correct_K, count_K):
-    """Per depth [K]: fraction of counted positions whose argmax is the true token k+1 ahead."""
+def top1_accuracy(correct_K, count_K):
+    """Per depth [K]: fraction of counted positions whose argmax is the true token k+1 ahead, given
+    the true tokens in between (teacher forcing)."""
     return correct_K / jnp.maximum(count_K, 1)
 
 
@@ -96,11 +98,15 @@ class MTPDepth(nnx.Module):
         self.final_norm = norms.RMSNorm(E, eps=eps, param_dtype=wdt)
         self.dtype = cfg.dtype
 
-    def __call__(self, emb_BTE, h_BTE, positions_BT, segment_ids_BT, valid_BT):
-        """Returns (block output before the final norm, after it, MoEAux), all [B,T,E] but the aux."""
+    def __call__(self, emb_BTE, h_BTE, positions_BT, segment_ids_BT, valid_BT, cache=None, decode=None):
+        """Returns (block output before the final norm, after it, MoEAux), all [B,T,E] but the aux,
+        plus the layer's new cache when `cache` is given (`decode`: its DecodeState)."""
         x = jnp.concatenate([self.enorm(emb_BTE), self.hnorm(h_BTE.astype(emb_BTE.dtype))], axis=-1)
         w = self.eh_proj[...].astype(jnp.dtype(self.dtype))
         x = jnp.einsum("btf,fe->bte", x.astype(w.dtype), w)
+        if cache is not None:
+            y, aux, cache = self.layer(x, positions_BT, segment_ids_BT, valid_BT, cache=cache, decode=decode)
+            return y, self.final_norm(y), aux, cache
         y, aux = self.layer(x, positions_BT, segment_ids_BT, valid_BT)
         return y, self.final_norm(y), aux
 

@@ -14,7 +14,7 @@ from flax import nnx
 from ling2.config import load_config
 from ling2.layers.decoder import build_decoder
 from ling2.layers.model import Ling2Model
-from ling2.layers.mtp import (MTP, acceptance_rate, depth_token_counts, mtp_loss,
+from ling2.layers.mtp import (MTP, top1_accuracy, depth_token_counts, mtp_loss,
                               roll_and_mask_by_segment)
 
 F = -1  # fill value in the hand-written cases
@@ -85,12 +85,12 @@ def test_roll_and_mask_by_segment_rejects_bad_shapes():
 
 # --- loss helpers -----------------------------------------------------------------------------
 
-def test_mtp_loss_and_acceptance_hand_values():
+def test_mtp_loss_and_top1_accuracy_hand_values():
     # depth 1: 6/3 = 2, depth 2: 3/1 = 3 -> 0.1 * (2 + 3) / 2
     np.testing.assert_allclose(mtp_loss(jnp.array([6.0, 3.0]), jnp.array([3.0, 1.0]), 0.1), 0.25, rtol=1e-6)
     # a depth with no valid token adds 0 (not nan)
     np.testing.assert_allclose(mtp_loss(jnp.array([6.0, 0.0]), jnp.array([3.0, 0.0]), 0.1), 0.1, rtol=1e-6)
-    np.testing.assert_allclose(acceptance_rate(jnp.array([2.0, 0.0]), jnp.array([4.0, 0.0])), [0.5, 0.0])
+    np.testing.assert_allclose(top1_accuracy(jnp.array([2.0, 0.0]), jnp.array([4.0, 0.0])), [0.5, 0.0])
 
 
 # --- the model -------------------------------------------------------------------------------

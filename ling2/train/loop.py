@@ -8,7 +8,9 @@ steps.
 """
 
 import dataclasses
+import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -17,6 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from ling2.checkpoint.manager import Checkpointer
+from ling2.checkpoint.manager import verify as checkpoint_verify
+from ling2.checkpoint.safetensors_io import INDEX_NAME
+from ling2.checkpoint.state import STATE_NAME, CheckpointError
 from ling2.layers.model import count_params, training_flops_per_token
 from ling2.layers.moe_router import router_metrics
 from ling2.layers.sharding import use_mesh
@@ -92,31 +97,83 @@ def dry_run(cfg, mesh, log: Callable[[str], None] = print) -> dict:
     return out
 
 
-class _Signals:
-    """Records SIGTERM/SIGINT so the loop can checkpoint and exit between steps."""
+class _StopRequests:
+    """SIGTERM/SIGINT ask the loop to checkpoint and stop between steps; `stop(step)` says when.
 
-    def __init__(self):
+    One process: Python handlers record the signal. Several processes: every one must stop at the
+    same step, so SIGTERM is left to JAX's preemption sync service (its handler, installed by
+    jax.distributed.initialize, spreads the notice to all processes; SIGINT is forwarded to it as
+    SIGTERM), and `stop(step)` (multihost_utils.reached_preemption_sync_point, called at every step,
+    as MaxText does) turns true on every process at the same step: the one after the largest step
+    any process had reached when the notice arrived."""
+
+    def __init__(self, log):
         self.received = None
+        self.sync = jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
+        if jax.process_count() > 1 and not self.sync:
+            log("warning: jax_enable_preemption_service is off: a signal stops only the process that receives it")
 
     def __enter__(self):
-        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        handled = (signal.SIGINT,) if self.sync else (signal.SIGTERM, signal.SIGINT)
+        self._old = {s: signal.signal(s, self._handle) for s in handled}
         return self
 
     def _handle(self, signum, frame):
         self.received = signal.Signals(signum).name
+        if self.sync and signum == signal.SIGINT:
+            os.kill(os.getpid(), signal.SIGTERM)  # JAX's preemption notifier listens for SIGTERM
+
+    def stop(self, step: int) -> bool:
+        if self.sync:
+            from jax.experimental import multihost_utils
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.received is not None
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
             signal.signal(s, h)
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """Raises TrainingError naming the path when run_dir cannot hold a run: it (or checkpoints/,
+    tensorboard/) is a file, metrics.jsonl is a directory, or it cannot be created or written."""
+    for p, want_dir in ((run_dir, True), (run_dir / "checkpoints", True), (run_dir / "tensorboard", True),
+                        (run_dir / "metrics.jsonl", False)):
+        if p.exists() and p.is_dir() != want_dir:
+            raise TrainingError(f"run_dir: {p} exists and is {'not ' if want_dir else ''}a directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as e:
+        raise TrainingError(f"run_dir: {run_dir} cannot be created or written: {e.strerror or e}") from None
+
+
+def check_load_parameters_path(path) -> None:
+    """Raises CheckpointError unless `path` is a converter state directory or a trainer step directory
+    whose files verify (cheap checks, before any model is built)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"load_parameters_path: {path} is not a directory")
+    if (path / STATE_NAME / INDEX_NAME).is_file():
+        return
+    if not (path / STATE_NAME).is_dir():
+        raise CheckpointError(f"load_parameters_path: {path} holds neither a converter state/ directory "
+                              f"({STATE_NAME}/{INDEX_NAME}) nor a trainer step's state item")
+    reason = checkpoint_verify(path, items=("state",))
+    if reason is not None:
+        raise CheckpointError(f"load_parameters_path: {path} is unusable: {reason}")
+
+
 def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_consecutive_skips: int = 5,
         dry_run_only: bool = False, tensorboard: bool = True, log: Callable[[str], None] = print,
         stop_after: Optional[int] = None, devices=None) -> RunResult:
-    """Trains `cfg.steps` steps (resuming from the latest checkpoint in run_dir).
+    """Trains `cfg.steps` steps (resuming from the newest good checkpoint in run_dir).
 
     make_iter(cfg, split, num_devices) gives this host's batches [M, b, S]; `devices`
     (default: all) make the mesh. `dry_run_only` compiles the step and returns (see `dry_run`).
+    Everything a user can get wrong (run_dir, mesh, data, the checkpoint to resume and its config,
+    load_parameters_path) is checked before the model is built.
     """
     run_dir = Path(run_dir)
     mesh = make_mesh(cfg, devices)
@@ -124,25 +181,33 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
         dry_run(cfg, mesh, log)
         return RunResult({}, 0, run_dir, run_dir / "checkpoints", run_dir / "metrics.jsonl", 0, False)
 
+    check_run_dir(run_dir)
     train_iter = make_iter(cfg, "train", mesh.size)  # data errors before the model is built
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg) if cfg.enable_checkpointing else None
+    resume = ckpt.resume_step(log) if ckpt is not None else None
+    if resume is not None:
+        for line in ckpt.check_resume_config(resume, cfg, cfg.global_batch_size(mesh.size)):
+            log(line)
+    elif cfg.load_parameters_path:
+        check_load_parameters_path(cfg.load_parameters_path)
+
     gd, tx, sched, abstract = abstract_state(cfg, mesh)
     log(f"model: {cfg.model_name}, {count_params(cfg)['total'] / 1e6:.2f}M params, "
         f"mesh {dict(mesh.shape)}")
     step_fn = step_lib.jit_train_step(gd, tx, cfg, sched)
-    ckpt = Checkpointer(run_dir / "checkpoints", cfg) if cfg.enable_checkpointing else None
-    start = 0
-    if ckpt is not None and ckpt.latest_step() is not None:
-        start = ckpt.latest_step()
-        restored, _ = ckpt.restore(start, fields(abstract), train_iter)
+    start = resume or 0
+    if resume is not None:
+        restored, _ = ckpt.restore(resume, fields(abstract), train_iter)
         state = TrainState(**restored)
-        log(f"resumed from {ckpt.directory / str(start)} (step {start})")
+        log(f"resumed from {ckpt.step_dir(resume)} (step {resume})")
     else:
         gd, tx, sched, state = init_state(cfg, mesh)
         if cfg.load_parameters_path:
             state = load_parameters(cfg, gd, state, tx)
             log(f"initial weights from {cfg.load_parameters_path}")
+    meta = {"global_batch": cfg.global_batch_size(mesh.size)}
 
-    writer = MetricsWriter(run_dir, tensorboard=tensorboard)
+    writer = MetricsWriter(run_dir, tensorboard=tensorboard, start_step=start)
     evaluator = Evaluator(cfg, mesh, gd, make_iter) if cfg.eval_interval else None
     flops_tok = training_flops_per_token(cfg)
     peak = peak_flops_per_device() * mesh.size
@@ -169,11 +234,12 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
             raise TrainingError(f"{max_consecutive_skips} consecutive non-finite steps at step {step}; "
                                 f"stopping with the last good checkpoint kept")
 
-    with _Signals() as sig, use_mesh(mesh, cfg.logical_axis_rules):
+    with _StopRequests(log) as sig, use_mesh(mesh, cfg.logical_axis_rules):
         step = start
         while step < cfg.steps:
-            if sig.received:
-                log(f"received {sig.received}: saving a checkpoint at step {step} and exiting")
+            if sig.stop(step):
+                why = f"received {sig.received}" if sig.received else "stop requested (SIGTERM to one of the processes)"
+                log(f"{why}: saving a checkpoint at step {step} and exiting")
                 stopped = True
                 break
             if stop_after is not None and step >= stop_after:
@@ -213,12 +279,12 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
                 log(progress_line(step, cfg.steps, m, eta))
                 t_window, wait_window, steps_window = time.perf_counter(), 0.0, 0
             if saving and skips == 0:  # after logging: saved steps have metrics; never after a skipped step
-                ckpt.save(step, fields(state), train_iter, {"step": step})
+                ckpt.save(step, fields(state), train_iter, {"step": step, **meta})
         if unchecked is not None:
             check(*unchecked)
     if ckpt is not None:
         if skips == 0:
-            ckpt.save(step, fields(state), train_iter, {"step": step}, force=True)
+            ckpt.save(step, fields(state), train_iter, {"step": step, **meta}, force=True)
         else:
             log(f"step {step} followed {skips} skipped steps: not checkpointed")
     close()

@@ -2,11 +2,14 @@
 
 Only process 0 writes. Values are plain floats (non-finite ones as the strings "nan", "inf",
 "-inf", which JSON cannot hold); nested dicts are flattened with '/'. `read_metrics` is the
-one reader.
+one reader. A run that starts at step S (resumed, or 0) first drops the records of later steps,
+left by the run it continues (`truncate_metrics`), and asks TensorBoard to hide its events
+past S (tensorboardX's `purge_step`).
 """
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -27,17 +30,42 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def truncate_metrics(path, last_step: int) -> int:
+    """Rewrites a metrics.jsonl without the records of steps after `last_step` (and without lines that
+    are not records: a write cut short by a kill). Returns how many lines were dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            ok = int(json.loads(line)["step"]) <= last_step
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            ok = False
+        if ok:
+            keep.append(line + "\n")
+        elif line.strip():
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
+    return dropped
+
+
 class MetricsWriter:
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, start_step: int = 0):
+        """Appends to run_dir/metrics.jsonl (and TensorBoard events) for a run starting at `start_step`."""
         self.enabled = jax.process_index() == 0
         self.path = Path(run_dir) / "metrics.jsonl"
         self._tb = None
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            truncate_metrics(self.path, start_step)
             self._f = open(self.path, "a")
             if tensorboard:
                 from tensorboardX import SummaryWriter
-                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
 
     def write(self, step: int, metrics: dict):
         if not self.enabled:

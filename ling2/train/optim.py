@@ -1,11 +1,14 @@
 """AdamW with warmup then cosine / WSD / constant decay, global-norm clipping and a weight-decay mask.
 
-Decay is applied to matrices only: norms, biases (ndim < 2) and, unless
-`weight_decay_embeddings`, the token embedding are left undecayed.
+Decay is applied by parameter role (`ling2.layers.model.param_roles`), never by shape: weight
+matrices are decayed; norm scales and expert biases are not, stacked [n, D] under `scan_layers`
+or not; the token embedding only with `weight_decay_embeddings`.
 """
 
 import jax
 import optax
+
+from ling2.layers.model import param_roles
 
 
 def lr_schedule(cfg):
@@ -29,17 +32,30 @@ def lr_schedule(cfg):
 
 
 def decay_mask(params, cfg):
-    """True where weight decay applies: matrices, except the embedding unless configured."""
+    """True where weight decay applies: a pytree like `params` (Ling2Model state paths, nnx.State or
+    pure dict). Raises ValueError for a parameter that is not part of Ling2Model(cfg)."""
+    roles = {tuple(map(str, p)): r for p, r in param_roles(cfg).items()}
 
-    def keep(path, x):
-        names = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
-        if x.ndim < 2:
-            return False
-        if not cfg.weight_decay_embeddings and any("embed" in n for n in names):
-            return False
-        return True
+    def decayed(path, x):
+        key = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+        if key not in roles and key[-1:] == ("value",):  # nnx.State leaves end in Variable.value
+            key = key[:-1]
+        if key not in roles:
+            raise ValueError(f"weight decay: {'/'.join(key)} is not a parameter of the {cfg.model_name} model")
+        role = roles[key]
+        return role == "matrix" or (role == "embedding" and cfg.weight_decay_embeddings)
 
-    return jax.tree_util.tree_map_with_path(keep, params)
+    return jax.tree_util.tree_map_with_path(decayed, params)
+
+
+def updates_applied(opt_state):
+    """How many updates optax has applied: the step its learning-rate schedule is at. A skipped
+    (non-finite) step keeps the old optimizer state, so this lags the train state's step after one."""
+    counts = [s.count for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+              if isinstance(s, optax.ScaleByScheduleState)]
+    if not counts:
+        raise ValueError("optimizer state has no learning-rate schedule count")
+    return counts[0]
 
 
 def make_optimizer(cfg, params):

@@ -2,11 +2,16 @@
 
 import math
 
-import jax.numpy as jnp
 import numpy as np
+import pytest
+from flax import nnx
 
+from ling2.checkpoint import state as ckpt_state
+from ling2.checkpoint.state import flat, unflat
 from ling2.config import load_config
+from ling2.layers.model import abstract_model
 from ling2.train.optim import decay_mask, lr_schedule
+from ling2.train.state import trainable_filter
 
 
 def test_warmup_then_cosine():
@@ -30,10 +35,29 @@ def test_wsd():
     np.testing.assert_allclose(float(f(100)), 0.0, atol=1e-7)
 
 
-def test_decay_mask_skips_norms_biases_and_embeddings():
-    params = {"embed": {"embedding": jnp.zeros((4, 2))}, "layer": {"kernel": jnp.zeros((2, 2)),
-                                                                    "norm": {"scale": jnp.zeros((2,))}}}
-    m = decay_mask(params, load_config(weight_decay_embeddings=False))
-    assert m == {"embed": {"embedding": False}, "layer": {"kernel": True, "norm": {"scale": False}}}
-    m = decay_mask(params, load_config(weight_decay_embeddings=True))
-    assert m["embed"]["embedding"] is True
+def _mask_leaves(cfg) -> dict:
+    """{path: bool} of the decay mask over the real model's trainable state."""
+    _, params, _ = nnx.split(abstract_model(cfg), trainable_filter(cfg), ...)
+    mask = decay_mask(nnx.to_pure_dict(params), cfg)
+    return {tuple(map(str, p)): m for p, m in flat(mask).items()}
+
+
+@pytest.mark.parametrize("embeddings", [False, True])
+def test_decay_mask_by_role_is_the_same_scanned_and_unscanned(embeddings):
+    """On the real ling2-tiny tree (expert bias trainable): decayed are exactly the weights whose HF name ends in
+    `.weight` of a projection (names from the HF layout, independent of the roles), never a norm scale or the
+    expert bias, stacked [n, D] or not; the scanned mask, moved to the unscanned layout, is the unscanned one."""
+    over = dict(model_name="ling2-tiny", enable_routed_bias_grad=True, weight_decay_embeddings=embeddings)
+    flat_cfg, scan_cfg = load_config(**over, scan_layers=False), load_config(**over, scan_layers=True)
+    want = _mask_leaves(flat_cfg)
+    norm_or_bias = lambda p: p[-1] in ("weight", "expert_bias")  # noqa: E731 - RMSNorm.weight, Router.expert_bias
+    assert want == {p: (not norm_or_bias(p)) and (embeddings or p[-1] != "embedding") for p in want}
+    assert sum(norm_or_bias(p) for p in want) == 56 + 10  # every norm scale and expert bias of the tiny model
+
+    got = _mask_leaves(scan_cfg)
+    shapes = {tuple(map(str, p)): v.shape for p, v in ckpt_state.abstract_state(scan_cfg).items()}
+    assert any(len(shapes[p]) == 2 and p[-1] == "weight" for p in got)  # stacked [n, D] norm scales exist
+    as_arrays = unflat({p: np.full(shapes[p], float(m)) for p, m in got.items()})
+    moved = flat(ckpt_state.relayout(as_arrays, scan_cfg, flat_cfg))
+    assert {tuple(map(str, p)): bool(np.all(v)) for p, v in moved.items() if tuple(map(str, p)) in want} == want
+    assert all(np.all(v == v.flat[0]) for v in moved.values())

@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ling2.config import ConfigError
 from ling2.config.schema import MESH_AXES
 from ling2.layers import sharding
 
@@ -23,16 +24,18 @@ PEAK_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "b200": 2250e12, "
 
 
 def mesh_shape(cfg, num_devices: int) -> tuple[int, ...]:
-    """The (data, fsdp, expert, tensor) sizes from cfg.ici_*_parallelism; one -1 fills the rest."""
+    """The (data, fsdp, expert, tensor) sizes from cfg.ici_*_parallelism; one -1 fills the rest.
+    Raises ConfigError when they do not fit `num_devices`."""
     sizes = [getattr(cfg, f"ici_{a}_parallelism") for a in MESH_AXES]
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % known:
-            raise ValueError(f"ici_*_parallelism: fixed sizes {sizes} do not divide {num_devices} devices")
+            raise ConfigError(f"ici_*_parallelism: fixed sizes {dict(zip(MESH_AXES, sizes))} do not divide the "
+                              f"{num_devices} devices")
         sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-        raise ValueError(f"ici_*_parallelism: mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
-                         f"have {num_devices}")
+        raise ConfigError(f"ici_*_parallelism: mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
+                          f"have {num_devices}")
     return tuple(sizes)
 
 

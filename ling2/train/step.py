@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from ling2.layers.mtp import depth_token_counts
+from ling2.train.optim import updates_applied
 from ling2.train.state import TrainState, trainable_filter
 
 F32 = jnp.float32
@@ -49,7 +50,10 @@ def forward(graphdef, params, rest, mb, cfg, norms):
 
 
 def train_step(graphdef, tx, cfg, state: TrainState, batch: dict, lr_fn):
-    """Returns (new state, metrics). Pure; jit it with graphdef/tx/cfg/lr_fn static."""
+    """Returns (new state, metrics). Pure; jit it with graphdef/tx/cfg/lr_fn static.
+
+    metrics["lr"] is the rate this step's update used: the schedule at optax's update count, which
+    skipped steps do not advance (unlike state.step)."""
     M = cfg.gradient_accumulation_steps
     norms = {"tokens": jnp.maximum(jnp.sum(batch["loss_weights"].astype(F32)), 1)}
     if cfg.mtp_num_layers:
@@ -95,13 +99,14 @@ def train_step(graphdef, tx, cfg, state: TrainState, batch: dict, lr_fn):
     skipped = jnp.where(finite, 0, state.skipped + 1)
     new_state = TrainState(step=state.step + 1, params=params, rest=rest, opt_state=opt_state, skipped=skipped,
                            skipped_total=state.skipped_total + (~finite).astype(jnp.int32))
-    metrics = {"loss": loss, "grad_norm": gnorm, "lr": lr_fn(state.step), "finite": finite.astype(F32), "tokens": sums["tokens"],
+    metrics = {"loss": loss, "grad_norm": gnorm, "lr": lr_fn(updates_applied(state.opt_state)),
+               "finite": finite.astype(F32), "tokens": sums["tokens"],
                "aux_loss": sums["aux_loss"] / M, "accuracy": sums["hits"] / jnp.maximum(sums["tokens"], 1)}
     if cfg.mtp_num_layers:
         mtp = (sums["mtp_ce"] / jnp.maximum(sums["mtp_tokens"], 1) if cfg.calculate_per_token_loss
                else sums["mtp_micro_mean"])
         metrics["mtp_loss"] = {f"depth_{k + 1}": mtp[k] for k in range(cfg.mtp_num_layers)}
-        metrics["mtp_acceptance"] = {f"depth_{k + 1}": sums["mtp_correct"][k] / jnp.maximum(sums["mtp_tokens"][k], 1)
+        metrics["mtp_top1_accuracy"] = {f"depth_{k + 1}": sums["mtp_correct"][k] / jnp.maximum(sums["mtp_tokens"][k], 1)
                                      for k in range(cfg.mtp_num_layers)}
         metrics["mtp_total"] = cfg.mtp_loss_scaling_factor * jnp.mean(mtp)
     metrics["moe"] = {"counts": sums["moe_counts"], "stats": sums["moe_stats"]}

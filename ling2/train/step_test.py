@@ -127,6 +127,20 @@ def test_non_finite_step_is_skipped():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
 
 
+def test_lr_metric_is_the_rate_applied_after_a_skipped_step():
+    """Warmup 0 -> 1 over 10 steps, so lr(n) = n / 10 by hand. The 3rd step is non-finite and applies nothing:
+    the 4th applies the 3rd update, at lr(2) again, and the 5th the 4th, at lr(3) (not lr(4))."""
+    cfg, gd, s, f = make(lr_schedule="constant", warmup_steps_fraction=0.1, steps=100, learning_rate=1.0)
+    good, bad = batch(1, 2), batch(1, 2)
+    bad["loss_weights"] = bad["loss_weights"].at[0, 0, 0].set(jnp.nan)
+    lrs = []
+    for b in (good, good, bad, good, good):
+        s, m = f(s, b)
+        lrs.append(float(m["lr"]))
+    assert int(s.step) == 5 and int(s.skipped_total) == 1
+    np.testing.assert_allclose(lrs, [0.0, 0.1, 0.2, 0.2, 0.3], rtol=1e-6)
+
+
 def test_router_metrics_under_accumulation_equal_full_batch():
     """Counts and stats are sums, so metrics after 4 micro-batches equal one batch of 8 rows."""
     from ling2.train.loop import moe_metrics
@@ -171,4 +185,4 @@ def test_mtp_loss_under_accumulation_follows_main_loss_rule(per_token):
                            mb["segment_ids"])
             means.append(float(mtp_loss(mo.ce_sum, mo.ce_count, 1.0)))
         np.testing.assert_allclose(float(m4["mtp_loss"]["depth_1"]), np.mean(means), rtol=1e-5)
-    assert 0 <= float(m4["mtp_acceptance"]["depth_1"]) <= 1
+    assert 0 <= float(m4["mtp_top1_accuracy"]["depth_1"]) <= 1

@@ -2,7 +2,8 @@
 
 With no arguments it trains ling2-tiny on the bundled sample data on CPU
 (configs/train/tiny_sample.yml). Every config key can be overridden as key=value;
-flags cover what is not model config.
+flags cover what is not model config. Exit status: 0 done (or stopped by a signal after
+saving), 2 bad input (one `error:` message naming the file, field or path), 1 a bug.
 """
 
 import os
@@ -51,6 +52,7 @@ def main(argv):
         print(f"error: bad config: {e}", file=sys.stderr)
         return 2
 
+    from ling2.checkpoint.safetensors_io import SafetensorsError
     from ling2.checkpoint.state import CheckpointError
     from ling2.train.data import DataError, make_iterator_factory
     from ling2.train.loop import TrainingError, run
@@ -61,7 +63,7 @@ def main(argv):
     try:
         result = run(cfg, run_dir, make_iterator_factory(find_file), max_consecutive_skips=FLAGS.max_consecutive_skips,
                      dry_run_only=FLAGS.dry_run, tensorboard=FLAGS.tensorboard)
-    except (DataError, CheckpointError, TrainingError, ConfigError) as e:
+    except (DataError, CheckpointError, TrainingError, ConfigError, SafetensorsError) as e:
         first, _, detail = str(e).partition("\n")
         print(f"error: {type(e).__name__}: {first}", file=sys.stderr)
         if detail:
@@ -76,5 +78,19 @@ def main(argv):
     return 0
 
 
+def parse_flags(argv):
+    """absl's flag parsing, with a bad flag a user error (exit 2) rather than absl's exit 1."""
+    try:
+        rest = FLAGS(argv)
+    except flags.Error as e:
+        print(f"error: bad flag: {e}", file=sys.stderr)
+        sys.exit(2)
+    if FLAGS.max_consecutive_skips < 1:
+        print(f"error: bad flag: --max_consecutive_skips must be >= 1, got {FLAGS.max_consecutive_skips}",
+              file=sys.stderr)
+        sys.exit(2)
+    return rest
+
+
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)

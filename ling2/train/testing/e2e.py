@@ -24,15 +24,14 @@ def env(**extra):
     return out
 
 
-def losses(run_dir, live=False) -> dict:
-    """Loss per step. live=True reads a file a running trainer may have just created or be appending to:
-    a missing, empty or half-written file counts as no records yet."""
-    try:
-        return {r["step"]: r["loss"] for r in read_metrics(Path(run_dir) / "metrics.jsonl")}
-    except (FileNotFoundError, ValueError):
-        if live:
-            return {}
-        raise
+def losses(run_dir) -> dict:
+    return {r["step"]: r["loss"] for r in read_metrics(Path(run_dir) / "metrics.jsonl")}
+
+
+def logged(run_dir) -> int:
+    """How many whole records metrics.jsonl holds so far (0 before the file or its first line exists)."""
+    p = Path(run_dir) / "metrics.jsonl"
+    return p.read_text().count("\n") if p.exists() else 0
 
 
 def start(run_dir, *overrides, **extra_env):

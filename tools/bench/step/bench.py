@@ -53,7 +53,8 @@ def bench(model_name: str, seq: int) -> dict:
     from ling2.train import step as S
     from ling2.train.state import trainable_filter
 
-    cfg = load_config(model_name=model_name, max_target_length=seq, scan_layers=True)
+    max_pos = max(seq, load_config(model_name=model_name).max_position_embeddings)  # rope tables reach seq
+    cfg = load_config(model_name=model_name, max_target_length=seq, max_position_embeddings=max_pos, scan_layers=True)
     model = Ling2Model(cfg, rngs=nnx.Rngs(0))
     gd, params, rest = nnx.split(model, trainable_filter(cfg), ...)
     r = np.random.default_rng(0)

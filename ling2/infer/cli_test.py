@@ -1,0 +1,107 @@
+"""The generate and evaluate binaries, run as a user runs them (subprocesses): their JSON equals the
+Python API's on the same checkpoint, and bad input exits 2 with a message naming it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from ling2.checkpoint.manager import Checkpointer
+from ling2.config import load_config
+from ling2.convert import convert
+from ling2.checkpoint.state import save_state
+from ling2.infer.evaluation import evaluate
+from ling2.infer.generation import generate
+from ling2.infer.load import find_file, load_model
+from ling2.infer.testing.models import MICRO
+from ling2.layers.model import Ling2Model
+from ling2.train.state import trainable_filter
+
+DATA = "data/sample/sample_text_document"
+TOKENIZER = "data/sample/tokenizer.json"
+
+
+def run(module, *args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, "-m", f"ling2.infer.{module}", *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=1800)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """A trainer run (config recorded in its step) and a Hugging Face directory of one micro model."""
+    tmp = tmp_path_factory.mktemp("cli")
+    cfg = load_config(MICRO, dataset_type="mmap", data_path=DATA, tokenizer_path=TOKENIZER, data_split="90,10,0",
+                      max_target_length=32, per_device_batch_size=2, steps=10, eval_interval=5, eval_steps=2,
+                      async_checkpointing=False)
+    model = Ling2Model(cfg, rngs=nnx.Rngs(5))
+    _, params, rest = nnx.split(model, trainable_filter(cfg), ...)
+    zero = np.zeros((), np.int32)
+    ckpt = Checkpointer(tmp / "run" / "checkpoints", cfg)
+    ckpt.save(10, dict(step=zero, params=params, rest=rest, opt_state={}, skipped=zero, skipped_total=zero), None,
+              {"step": 10}, force=True)
+    ckpt.close()
+    save_state(tmp / "state", nnx.to_pure_dict(nnx.state(model)), cfg)
+    convert.convert_ling2_to_hf(tmp / "state", tmp / "hf", progress=False)
+    return tmp
+
+
+def test_generate_json_equals_the_api_on_a_trainer_run(ckpts):
+    r = run("generate", f"--ckpt={ckpts / 'run'}", "--prompt_ids=5,6,7,8", "--prompt_ids=9", "--max_new_tokens=6",
+            "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    loaded = load_model(ckpts / "run")
+    want = generate(loaded.model, [[5, 6, 7, 8], [9]], 6, stop_ids=loaded.stop_ids)
+    assert got == {"ids": want.ids}
+    assert len(want.ids[1]) == 6 or want.ids[1][-1] in loaded.stop_ids
+
+
+def test_generate_text_prompts_speculative_on_a_hf_checkpoint(ckpts):
+    prompts = ckpts / "prompts.txt"
+    prompts.write_text('It is a truth universally acknowledged\n{"ids": [100, 200, 300]}\n')
+    r = run("generate", f"--ckpt={ckpts / 'hf'}", f"--tokenizer={TOKENIZER}", f"--prompts_file={prompts}",
+            "--max_new_tokens=5", "--speculative_mtp", "--json")
+    assert r.returncode == 0, r.stderr
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(find_file(TOKENIZER))).encode("It is a truth universally acknowledged",
+                                                                 add_special_tokens=False).ids
+    loaded = load_model(ckpts / "hf")
+    want = generate(loaded.model, [ids, [100, 200, 300]], 5, stop_ids=loaded.stop_ids)
+    assert json.loads(r.stdout) == {"ids": want.ids}
+    assert "acceptance_per_depth" in r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ckpt={tmp}/nope", "--prompt_ids=1", "--max_new_tokens=2"], "no such directory"),
+    (["--ckpt={tmp}/run", "--prompt_ids=1,99999", "--max_new_tokens=2"], "token id 99999 at offset 1 is outside"),
+    (["--ckpt={tmp}/run", "--prompt_ids=,", "--max_new_tokens=2"], "empty prompt"),
+    (["--ckpt={tmp}/run", "--prompt_ids=1,x", "--max_new_tokens=2"], "'x' is not an integer"),
+    (["--ckpt={tmp}/run", "--max_new_tokens=2"], "no prompt"),
+    (["--ckpt={tmp}/run", "--prompt_ids=1"], "--max_new_tokens=None"),
+    (["--ckpt={tmp}/hf", "--prompt=hello", "--max_new_tokens=2"], "need a tokenizer"),
+    (["--ckpt={tmp}/run", "--prompt_ids=1", "--max_new_tokens=2", "--temperature=-1"], "--temperature=-1"),
+])
+def test_generate_bad_input_exits_2(ckpts, args, message):
+    r = run("generate", *[a.format(tmp=ckpts) for a in args])
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert message in r.stderr
+
+
+def test_evaluate_json_equals_the_api(ckpts):
+    out = ckpts / "eval.json"
+    r = run("evaluate", f"--ckpt={ckpts / 'run'}", f"--data_path={DATA}", "--max_batches=2", f"--out={out}")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    loaded = load_model(ckpts / "run")
+    want = evaluate(loaded.model, loaded.cfg, DATA, find_file, "valid", 2)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6) and got["tokens"] == want["tokens"]
+    assert r.stdout.splitlines()[0].split()[-1] == "ppl" and f"{want['loss']:.4f}" in r.stdout
+    r = run("evaluate", f"--ckpt={ckpts / 'run'}", "--data_path=/nonexistent/prefix")
+    assert r.returncode == 2 and "/nonexistent/prefix" in r.stderr

@@ -1,0 +1,70 @@
+"""Loss and perplexity of a Ling2 checkpoint on Megatron data:
+
+    bazel run //ling2/infer:evaluate -- --ckpt=DIR --data_path=PREFIX_OR_BLEND [--split=valid] [--max_batches=N]
+        [--out=FILE] [key=value ...]
+
+DIR as for //ling2/infer:generate. --data_path is a .bin/.idx prefix or a Megatron blend
+"w1 prefix1 w2 prefix2"; the split, sample order, batch size and sequence length are the
+checkpoint config's (override with key=value, e.g. per_device_batch_size=4). --max_batches
+defaults to the config's eval_steps, so on the training data the loss is the trainer's
+eval_loss. Prints a table (overall and per blend component) and the JSON, written to --out
+when given. Bad input exits 2.
+"""
+
+import json
+import sys
+
+from absl import app, flags
+
+from ling2.config.paths import user_path
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("ckpt", None, "Checkpoint directory: trainer run or step, Ling2 state, or Hugging Face.")
+flags.DEFINE_string("data_path", None, "A .bin/.idx prefix or a blend 'w1 prefix1 w2 prefix2 ...'.")
+flags.DEFINE_string("split", "valid", "train, valid or test (the checkpoint config's data_split).")
+flags.DEFINE_integer("max_batches", None, "Global batches to evaluate (default: the config's eval_steps).")
+flags.DEFINE_string("out", None, "Write the JSON result here.")
+
+
+def table(res: dict) -> str:
+    rows = [("all", None, res)] + [(c["prefix"], c["weight"], c) for c in res["components"]]
+    lines = [f"{'data':<48} {'weight':>7} {'tokens':>10} {'loss':>8} {'ppl':>10}"]
+    for name, w, r in rows:
+        lines.append(f"{name[-48:]:<48} {'' if w is None else f'{w:.3f}':>7} {int(r['tokens']):>10} "
+                     f"{r['loss']:>8.4f} {r['perplexity']:>10.2f}")
+    return "\n".join(lines)
+
+
+def main(argv):
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)  # library INFO chatter (orbax) off
+    from ling2.infer.evaluation import evaluate
+    from ling2.infer.load import InferError, find_file, load_model
+
+    try:
+        if not FLAGS.ckpt:
+            raise InferError("--ckpt is required (a run, step, state or Hugging Face directory)")
+        if not FLAGS.data_path:
+            raise InferError("--data_path is required (a .bin/.idx prefix or a blend)")
+        loaded = load_model(user_path(FLAGS.ckpt), *argv[1:])
+        res = evaluate(loaded.model, loaded.cfg, FLAGS.data_path, find_file, FLAGS.split, FLAGS.max_batches,
+                       log=lambda s: print(s, file=sys.stderr))
+    except InferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    res["ckpt"] = str(loaded.path)
+    print(table(res))
+    text = json.dumps(res, indent=2)
+    if FLAGS.out:
+        out = user_path(FLAGS.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        print(f"wrote {out}")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(lambda argv: sys.exit(main(argv)))

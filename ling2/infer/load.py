@@ -1,0 +1,149 @@
+"""A Ling2Model for inference from any checkpoint directory Ling2 writes or reads.
+
+`--ckpt` may be
+  a trainer run directory ({run}: its latest step under checkpoints/),
+  a trainer step directory ({run}/checkpoints/{step}: state/ + meta/, the config recorded in meta),
+  a Ling2 state directory (config.yml + state/, the converter's output), or
+  a Hugging Face directory (config.json + safetensors; converted in memory, computing in its
+  torch_dtype, stopping at its eos_token_id).
+The model is built unscanned (decode slices no stacked weights) and with the dropless MoE
+(`INFER_OVERRIDES`); the weights are re-laid out when the checkpoint was scanned.
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ling2.checkpoint.manager import saved_config
+from ling2.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, ShardedReader
+from ling2.checkpoint.state import (CONFIG_NAME, STATE_NAME, CheckpointError, abstract_state, check_shapes, flat,
+                                    load_state, read_config, relayout)
+from ling2.config import ConfigError, load_config
+from ling2.config.paths import user_path
+from ling2.convert import convert, hf_config
+from ling2.layers.model import Ling2Model
+
+REPO = Path(os.path.abspath(__file__)).parents[2]  # the runfiles tree under Bazel
+
+# Inference runs every layer unscanned, every MoE dropless (no capacity drops at any batch size).
+INFER_OVERRIDES = {"scan_layers": False, "sparse_matmul": True, "remat_policy": "none"}
+
+
+class InferError(ValueError):
+    """Bad input to generation or evaluation (checkpoint, prompt, flag); the message names it. CLIs exit 2."""
+
+
+class Loaded(NamedTuple):
+    cfg: object  # the inference config (INFER_OVERRIDES applied)
+    model: Ling2Model
+    kind: str  # "run", "step", "state" or "hf"
+    path: Path  # the directory the weights came from
+    stop_ids: tuple  # end-of-sequence ids: config.json's eos_token_id (HF), else (cfg.eod_id,)
+
+
+def find_file(p: str) -> Path:
+    """A user path if it exists, else the same path inside the repository (bundled data, tokenizer)."""
+    up = user_path(p)
+    return up if up.exists() or Path(p).is_absolute() else REPO / p
+
+
+# A HF checkpoint computes in its own dtype (what transformers does with torch_dtype="auto").
+HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def hf_stop_ids(path: Path, hf: dict) -> tuple:
+    """eos_token_id of generation_config.json (what transformers' generate stops at), else config.json's."""
+    gen = path / "generation_config.json"
+    eos = hf.get("eos_token_id")
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+        except json.JSONDecodeError as e:
+            raise InferError(f"{gen}: malformed JSON: {e}") from None
+    if eos is None:
+        return ()
+    return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+
+
+def latest_step_dir(run_dir: Path) -> Path:
+    """{run}/checkpoints/{largest step} (orbax's finished step directories are plain integers)."""
+    steps = sorted((int(p.name), p) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit() and p.is_dir())
+    if not steps:
+        raise InferError(f"--ckpt={run_dir}: a run directory with no finished checkpoint under checkpoints/")
+    return steps[-1][1]
+
+
+def kind_of(path: Path) -> str:
+    """Which of the four layouts `path` is (see the module doc); InferError when none."""
+    if not path.exists():
+        raise InferError(f"--ckpt={path}: no such directory")
+    if not path.is_dir():
+        raise InferError(f"--ckpt={path}: not a directory")
+    if (path / "config.json").is_file() and ((path / INDEX_NAME).is_file() or (path / SINGLE_NAME).is_file()):
+        return "hf"
+    if (path / CONFIG_NAME).is_file() and (path / STATE_NAME).is_dir():
+        return "state"
+    if (path / STATE_NAME).is_dir() and (path / "meta").is_dir():
+        return "step"
+    if (path / "checkpoints").is_dir():
+        return "run"
+    raise InferError(f"--ckpt={path}: not a checkpoint: expected a trainer run directory (checkpoints/), a step "
+                     f"directory (state/ and meta/), a Ling2 state directory ({CONFIG_NAME} and {STATE_NAME}/) or a "
+                     f"Hugging Face directory (config.json and {INDEX_NAME} or {SINGLE_NAME})")
+
+
+def step_config(step_dir: Path):
+    """The resolved config a trainer step saved (`ling2.checkpoint.manager.saved_config`), else the
+    run's {run}/config.yml."""
+    try:
+        return saved_config(step_dir)
+    except CheckpointError as e:
+        run_config = step_dir.parent.parent / CONFIG_NAME
+        if run_config.is_file():
+            return read_config(run_config)
+        raise InferError(f"--ckpt={step_dir}: {e}, and {run_config} does not exist; write the run's resolved "
+                         f"config there (`./bazelw run //ling2/config:show -- ...`)") from None
+
+
+def _model(cfg, state: dict) -> Ling2Model:
+    model = nnx.eval_shape(lambda: Ling2Model(cfg, rngs=nnx.Rngs(0)))
+    graph_state = nnx.state(model)
+    nnx.replace_by_pure_dict(graph_state, jax.tree.map(jnp.asarray, state))
+    nnx.update(model, graph_state)
+    return model
+
+
+def load_model(ckpt, *overrides, progress: bool = False) -> Loaded:
+    """The model and config of checkpoint directory `ckpt`; `overrides` ("key=value" or mappings) apply
+    to its config (model-shape changes fail with the checkpoint's mismatch error)."""
+    path = Path(ckpt)
+    kind = kind_of(path)
+    step_dir = latest_step_dir(path) if kind == "run" else path
+    try:
+        if kind == "hf":
+            hf = convert.read_hf_config(path)
+            layout = hf_config.detect_layout(hf)
+            dtype = HF_DTYPES.get(str(hf.get("torch_dtype", hf.get("dtype", ""))), "float32")
+            cfg = hf_config.load_ling2_config(hf, layout, {"dtype": dtype}, *overrides, INFER_OVERRIDES)
+            state = convert.hf_to_state(ShardedReader(path), cfg, layout, progress=progress)
+            return Loaded(cfg, _model(cfg, state), kind, path, hf_stop_ids(path, hf))
+        if kind == "state":
+            saved, cfg = read_config(path / CONFIG_NAME), read_config(path / CONFIG_NAME, *overrides, INFER_OVERRIDES)
+        else:
+            saved = step_config(step_dir)
+            cfg = load_config(saved.model_dump(mode="json"), *overrides, INFER_OVERRIDES)
+        state = load_state(step_dir, saved)
+        same_layout = cfg.model_copy(update={"scan_layers": saved.scan_layers})
+        check_shapes({p: np.shape(v) for p, v in flat(state).items()}, abstract_state(same_layout),
+                     f"{step_dir} (with the overrides {list(overrides)})")
+        if saved.scan_layers != cfg.scan_layers:
+            state = relayout(state, saved, cfg)
+    except (CheckpointError, ConfigError, convert.ConversionError, hf_config.HFConfigError) as e:
+        raise InferError(f"--ckpt={step_dir}: {e}") from e
+    return Loaded(cfg, _model(cfg, state), kind, step_dir, (cfg.eod_id,))

@@ -1,0 +1,96 @@
+"""One model saved four ways (trainer run and step directory, Ling2 state directory, Hugging Face
+directory written by the converter) loads back to the same logits as the model itself (scanned
+when saved, unscanned when loaded), and bad checkpoint directories get named errors."""
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ling2.checkpoint.manager import Checkpointer
+from ling2.checkpoint.state import save_state
+from ling2.config import load_config, to_yaml
+from ling2.convert import convert
+from ling2.infer.load import InferError, hf_stop_ids, kind_of, load_model
+from ling2.infer.testing.models import MICRO
+from ling2.layers.model import Ling2Model
+from ling2.train.optim import make_optimizer
+from ling2.train.state import trainable_filter
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ckpts")
+    cfg = load_config(MICRO, base_num_decoder_layers=4, scan_layers=True, async_checkpointing=False)
+    model = Ling2Model(cfg, rngs=nnx.Rngs(3))
+    _, params, rest = nnx.split(model, trainable_filter(cfg), ...)
+    tx, _ = make_optimizer(cfg, params)
+    zero = np.zeros((), np.int32)
+    fields = dict(step=zero, params=params, rest=rest, opt_state=tx.init(params), skipped=zero, skipped_total=zero)
+    ckpt = Checkpointer(tmp / "run" / "checkpoints", cfg)
+    ckpt.save(4, fields, None, {"step": 4}, force=True)
+    ckpt.save(7, fields, None, {"step": 7}, force=True)
+    ckpt.close()
+    save_state(tmp / "state", nnx.to_pure_dict(nnx.state(model)), cfg)
+    convert.convert_ling2_to_hf(tmp / "state", tmp / "hf", progress=False)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
+    want = np.asarray(nnx.jit(lambda m, x: m(x).logits)(model, ids))
+    return tmp, cfg, ids, want
+
+
+@pytest.mark.parametrize("where,kind", [("run", "run"), ("run/checkpoints/4", "step"), ("state", "state"),
+                                        ("hf", "hf")])
+def test_every_layout_loads_the_same_model(saved, where, kind):
+    tmp, cfg, ids, want = saved
+    loaded = load_model(tmp / where)
+    assert loaded.kind == kind
+    if where == "run":
+        assert loaded.path == tmp / "run" / "checkpoints" / "7"  # the latest step
+    assert not loaded.cfg.scan_layers and loaded.cfg.sparse_matmul
+    assert loaded.stop_ids == (() if kind == "hf" else (cfg.eod_id,))
+    got = np.asarray(nnx.jit(lambda m, x: m(x).logits)(loaded.model, ids))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_trainer_step_records_its_config(saved):
+    tmp, cfg, *_ = saved
+    meta = json.loads((tmp / "run" / "checkpoints" / "7" / "meta" / "metadata").read_text())
+    assert meta["step"] == 7 and meta["config"] == to_yaml(cfg)
+
+
+def test_step_without_a_recorded_config_uses_the_run_config_or_says_so(saved, tmp_path):
+    tmp, cfg, ids, want = saved
+    step = tmp_path / "run" / "checkpoints" / "7"
+    shutil.copytree(tmp / "run" / "checkpoints" / "7", step)
+    (step / "meta" / "metadata").write_text(json.dumps({"step": 7}))
+    with pytest.raises(InferError, match="records no config"):
+        load_model(step)
+    (tmp_path / "run" / "config.yml").write_text(to_yaml(cfg))
+    got = np.asarray(nnx.jit(lambda m, x: m(x).logits)(load_model(tmp_path / "run").model, ids))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_directories_are_named(saved, tmp_path):
+    tmp, *_ = saved
+    with pytest.raises(InferError, match="no such directory"):
+        kind_of(tmp_path / "missing")
+    with pytest.raises(InferError, match="not a checkpoint"):
+        kind_of(tmp_path)
+    (tmp_path / "r" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(InferError, match="no finished checkpoint"):
+        load_model(tmp_path / "r")
+    with pytest.raises(InferError, match="does not match the config"):
+        load_model(tmp / "state", "base_emb_dim=32")
+
+
+def test_hf_stop_ids_follow_generation_config_then_config(tmp_path):
+    assert hf_stop_ids(tmp_path, {}) == ()
+    assert hf_stop_ids(tmp_path, {"eos_token_id": 9}) == (9,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert hf_stop_ids(tmp_path, {"eos_token_id": 9}) == (5, 7)
+    (tmp_path / "generation_config.json").write_text("{")
+    with pytest.raises(InferError, match="generation_config.json: malformed JSON"):
+        hf_stop_ids(tmp_path, {})
