@@ -158,34 +158,57 @@ class KimiDeltaAttention(nnx.Module):
         w = jnp.stack([self.q_conv[...], self.k_conv[...], self.v_conv[...]], axis=0)  # [3, H, D, K]
         return jnp.moveaxis(w, -1, 0)
 
-    def __call__(self, x_BTE, positions_BT=None, segment_ids_BT=None, cache=None):
-        """Returns out [B,T,E] (and the updated cache when one is given)."""
+    def __call__(self, x_BTE, positions_BT=None, segment_ids_BT=None, cache=None, decode=None):
+        """Returns out [B,T,E] (and the updated cache when one is given).
+
+        With a cache, `decode` (a `ling2.layers.decode.DecodeState`; None: prefill unless T == 1)
+        picks the chunked kernel from the cached state (prefill: segment ids reset the conv window and
+        the state, so left padding never reaches a row's document) or one recurrence step per token
+        (decode; `token_states` also returns the state and conv window after every token)."""
         B, T, _ = x_BTE.shape
-        H, D = self.H, self.D
+        H, D, K = self.H, self.D, self.K
         x = x_BTE.astype(jnp.dtype(self.dtype))
         qkv = jnp.stack([jnp.einsum("bte,ehd->bthd", x, self._w(p)) for p in (self.q_proj, self.k_proj, self.v_proj)],
                         axis=2)  # [B, T, 3, H, D]
-        w = self._conv_weight().reshape(self.K, 3 * H * D)
+        w = self._conv_weight().reshape(K, 3 * H * D)
         flat = qkv.reshape(B, T, 3 * H * D)
-        if cache is None:
-            y = causal_conv(flat, w, segment_ids_BT)
-        else:
-            hist = cache["conv"].reshape(B, self.K - 1, 3 * H * D)
+        if segment_ids_BT is None:
+            segment_ids_BT = jnp.ones((B, T), jnp.int32)
+        stepwise = cache is not None and (T == 1 if decode is None else not decode.fresh)
+        if decode is not None and decode.packed_docs:
+            raise ValueError("kda: packed prefill (packed_docs) is not supported; prefill one document per row")
+        if stepwise:  # continue the row's one document from its cached conv window
+            hist = cache["conv"].reshape(B, K - 1, 3 * H * D)
             y = causal_conv(flat, w, history_BPC=hist)
-            rows = jnp.concatenate([hist.astype(flat.dtype), flat], axis=1)[:, -(self.K - 1):]
-            new_conv = rows.reshape(B, self.K - 1, 3, H, D).astype(cache["conv"].dtype)
+            rows = jnp.concatenate([hist.astype(flat.dtype), flat], axis=1)  # [B, K-1+T, C]
+        else:
+            y = causal_conv(flat, w, segment_ids_BT)
+            if cache is not None:  # the last K-1 rows of the last document (zeros before its start)
+                rows = jnp.pad(flat, ((0, 0), (K - 1, 0), (0, 0)))[:, -(K - 1):]
+                seg = jnp.pad(segment_ids_BT, ((0, 0), (K - 1, 0)), constant_values=-1)[:, -(K - 1):]
+                rows = jnp.where((seg == segment_ids_BT[:, -1:])[..., None], rows, 0)
         y = jax.nn.silu(y).reshape(B, T, 3, H, D)
         q, k, v = l2_normalize(y[:, :, 0]), l2_normalize(y[:, :, 1]), y[:, :, 2]
         names = ("activation_batch", "activation_length", "activation_heads", None)
         q, k, v = (sharding.constrain(a, names) for a in (q, k, v))
         g = self.gate(x)
         beta = jax.nn.sigmoid(jnp.einsum("bte,eh->bth", x, self._w(self.b_proj)).astype(jnp.float32))
-        if segment_ids_BT is None or cache is not None:
-            segment_ids_BT = jnp.zeros((B, T), jnp.int32)
         h0 = None if cache is None else cache["state"]
-        if cache is not None and T == 1:
-            o, hT = kda.kda_step(h0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
-            o = o[:, None]
+        new = {}
+        if stepwise:
+            o, states = [], []
+            hT = h0
+            for t in range(T):
+                o_t, hT = kda.kda_step(hT, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+                o.append(o_t)
+                states.append(hT)
+            o = jnp.stack(o, axis=1)
+            if decode is not None and decode.token_states:
+                new["states"] = jnp.stack(states, axis=1)
+                conv_dt = cache["conv"].dtype
+                new["convs"] = jnp.stack([rows[:, t + 1:t + K].reshape(B, K - 1, 3, H, D).astype(conv_dt)
+                                          for t in range(T)], axis=1)
+            rows = rows[:, -(K - 1):]
         else:
             o, hT = self._kernel(q, k, v, g, beta, segment_ids_BT, h0)
         o = sharding.constrain(o, names)
@@ -193,4 +216,7 @@ class KimiDeltaAttention(nnx.Module):
         o = (self.o_norm(o.astype(jnp.float32)) * gate).astype(x.dtype)
         out = jnp.einsum("bthd,hde->bte", o, self._w(self.dense))
         out = sharding.constrain(out, ("activation_batch", "activation_length", "activation_embed"))
-        return out if cache is None else (out, {"conv": new_conv, "state": hT})
+        if cache is None:
+            return out
+        conv = rows.reshape(B, K - 1, 3, H, D).astype(cache["conv"].dtype)
+        return out, {"conv": conv, "state": hT, **new}

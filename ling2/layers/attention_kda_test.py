@@ -16,6 +16,7 @@ from ling2.config import load_config
 from ling2.kernels.testing import fla_reference
 from ling2.layers import sharding
 from ling2.layers.attention_kda import KimiDeltaAttention
+from ling2.layers.decode import DecodeState
 
 B, T = 2, 20
 _call = nnx.jit(lambda m, x, s=None: m(x, None, s))
@@ -109,17 +110,35 @@ def test_packed_documents_match_separate_runs():
 
 
 def test_prefill_then_decode_matches_full_sequence():
+    """Left-padded prefill (segment 0), a multi-token stepwise continuation with per-token states, then
+    single steps, against the unpadded full sequence."""
     layer = KimiDeltaAttention(_cfg(), 3, rngs=nnx.Rngs(0))
     x = _inputs(3, t=11)
     full = _call(layer, jnp.asarray(x))
-    out, cache = _call_cached(layer, jnp.asarray(x[:, :2]), layer.init_cache(B))  # shorter than the conv window
-    outs = [out]
-    out, cache = _call_cached(layer, jnp.asarray(x[:, 2:8]), cache)  # chunked continuation
+    pad = 3
+    xp = np.concatenate([np.random.default_rng(9).standard_normal((B, pad, 128)).astype(np.float32), x[:, :2]], 1)
+    seg = jnp.asarray([[0] * pad + [1, 1]] * B)
+    def run(fresh):
+        state = lambda: DecodeState(jnp.zeros((B,), jnp.int32), jnp.zeros((B, 16), jnp.int32), fresh=fresh,  # noqa
+                                    token_states=not fresh)
+        return nnx.jit(lambda m, x, s, c: m(x, None, s, cache=c, decode=state()))
+
+    out, cache = run(True)(layer, jnp.asarray(xp), seg, layer.init_cache(B))  # prompt shorter than the conv
+    outs = [out[:, pad:]]
+    out, cache = run(False)(layer, jnp.asarray(x[:, 2:8]), jnp.ones((B, 6), jnp.int32), cache)
     outs.append(out)
+    states, convs = cache["states"], cache["convs"]
+    cache = {"conv": cache["conv"], "state": cache["state"]}
+    np.testing.assert_allclose(states[:, -1], cache["state"])
+    np.testing.assert_allclose(convs[:, -1], cache["conv"])
     for t in range(8, 11):
         o_t, cache = _call_cached(layer, jnp.asarray(x[:, t:t + 1]), cache)
         outs.append(o_t)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-5, atol=1e-5)
+    # rolling back to token 4 of the continuation (what speculative decoding does) and stepping on
+    back = {"conv": convs[:, 3], "state": states[:, 3]}
+    o6, _ = _call_cached(layer, jnp.asarray(x[:, 6:7]), back)
+    np.testing.assert_allclose(o6, full[:, 6:7], rtol=1e-5, atol=1e-5)
 
 
 def test_gradients_chunked_equal_naive_backend():
