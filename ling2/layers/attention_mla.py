@@ -259,6 +259,7 @@ class MLA(nnx.Module):
                 o_BTHV = self._attend(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, mask)
         o_BTHV = constrain(o_BTHV, ("activation_batch", "activation_length", "activation_heads", None))
         if self.output_gate:
+            x = x_BTE.astype(jnp.dtype(self.dtype))
             gate = jax.nn.sigmoid(jnp.einsum("bte,eh->bth", x, self._w(self.g_proj)).astype(jnp.float32))
             o_BTHV = (o_BTHV.astype(jnp.float32) * gate[..., None]).astype(o_BTHV.dtype)
         out = jnp.einsum("bthv,hve->bte", o_BTHV, self._w(self.dense))
