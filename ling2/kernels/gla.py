@@ -17,6 +17,9 @@ TPU topology builds the Mosaic kernels.
 Numerics: the state and every accumulation are fp32. "chunked" computes in fp32 throughout;
 with bf16 inputs the Pallas kernels feed the state and decayed scores to the matrix units as
 bf16 (as fla does), which costs about 2-3% of the largest gradient entry in rounding.
+
+Axes in names: B batch, T time, L time padded to a multiple of C, C chunk size, N chunks (in
+`segment_end_states`: documents), H heads, K key dim, V value dim, D either head dim.
 """
 
 import functools
@@ -42,31 +45,31 @@ def resolve_backend(backend: str, platform: str, chunk_size: int = 64) -> str:
 
 def doc_index(segment_ids):
     """[B, T] non-decreasing document index: +1 wherever the segment id changes."""
-    change = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
-    return jnp.concatenate([jnp.zeros_like(change[:, :1]), jnp.cumsum(change, axis=1)], axis=1)
+    change_BT = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)  # [B, T-1]
+    return jnp.concatenate([jnp.zeros_like(change_BT[:, :1]), jnp.cumsum(change_BT, axis=1)], axis=1)
 
 
 def prepare(x_BTHD, C):
-    """Pads T to a multiple of C and moves heads first: [B, T, H, D] -> [B, H, T', D]."""
+    """Pads T to a multiple of C and moves heads first: [B, T, H, D] -> [B, H, L, D]."""
     pad = -x_BTHD.shape[1] % C
     return jnp.pad(x_BTHD, ((0, 0), (0, pad), (0, 0), (0, 0))).swapaxes(1, 2)
 
 
 def prepare_aux(g_BTH, doc_BT, C):
-    """Per-token fp32 decay factors [B, H, T'] for the chunked kernels (see gla_chunked)."""
+    """Per-token fp32 decay factors [B, H, L] for the chunked kernels (see gla_chunked)."""
     B, T, H = g_BTH.shape
     pad = -T % C
-    g = jnp.pad(g_BTH.astype(jnp.float32), ((0, 0), (0, pad), (0, 0))).swapaxes(1, 2)
-    doc = jnp.pad(doc_BT, ((0, 0), (0, pad)), mode="edge")
+    g_BHL = jnp.pad(g_BTH.astype(jnp.float32), ((0, 0), (0, pad), (0, 0))).swapaxes(1, 2)
+    doc_BL = jnp.pad(doc_BT, ((0, 0), (0, pad)), mode="edge")
     N = (T + pad) // C
-    b = jnp.cumsum(g.reshape(B, H, N, C), axis=-1)
-    doc_c = doc.reshape(B, 1, N, C)
-    doc_end = doc_c[..., -1:]
-    doc_before = jnp.concatenate([doc_c[..., :1, :1], doc_end[..., :-1, :]], axis=2)
-    alpha = jnp.exp(jnp.where(doc_c == doc_before, b, -jnp.inf))
-    w = jnp.exp(jnp.where(doc_c == doc_end, b[..., -1:] - b, -jnp.inf))
+    b_BHNC = jnp.cumsum(g_BHL.reshape(B, H, N, C), axis=-1)
+    doc_B1NC = doc_BL.reshape(B, 1, N, C)
+    end_B1N1 = doc_B1NC[..., -1:]
+    before_B1N1 = jnp.concatenate([doc_B1NC[..., :1, :1], end_B1N1[..., :-1, :]], axis=2)
+    alpha_BHNC = jnp.exp(jnp.where(doc_B1NC == before_B1N1, b_BHNC, -jnp.inf))
+    w_BHNC = jnp.exp(jnp.where(doc_B1NC == end_B1N1, b_BHNC[..., -1:] - b_BHNC, -jnp.inf))
     flat = lambda x: jnp.broadcast_to(x, (B, H, N, C)).reshape(B, H, N * C)
-    return {"b": flat(b), "doc": flat(doc_c), "alpha": flat(alpha), "w": flat(w)}
+    return {"b": flat(b_BHNC), "doc": flat(doc_B1NC), "alpha": flat(alpha_BHNC), "w": flat(w_BHNC)}
 
 
 def _kernels(backend, interpret):
@@ -102,43 +105,45 @@ def _run_kernel(which, backend, interpret, scale, C, *args):
     return branch(backend, interpret)(*args)
 
 
-def _zero_state(q, v):
-    return jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+def _zero_state(q_BTHK, v_BTHV):
+    return jnp.zeros((q_BTHK.shape[0], q_BTHK.shape[2], q_BTHK.shape[3], v_BTHV.shape[3]), jnp.float32)
 
 
-def _run_fwd(q, k, v, g, doc, h0, scale, C, backend, interpret):
-    T = q.shape[1]
-    h0 = _zero_state(q, v) if h0 is None else h0
-    o, hT = _run_kernel(0, backend, interpret, scale, C,
-                        prepare(q, C), prepare(k, C), prepare(v, C), prepare_aux(g, doc, C), h0)
-    return o.swapaxes(1, 2)[:, :T].astype(q.dtype), hT
+def _run_fwd(q_BTHK, k_BTHK, v_BTHV, g_BTH, doc_BT, h0_BHKV, scale, C, backend, interpret):
+    T = q_BTHK.shape[1]
+    h0_BHKV = _zero_state(q_BTHK, v_BTHV) if h0_BHKV is None else h0_BHKV
+    o_BHLV, hT_BHKV = _run_kernel(0, backend, interpret, scale, C, prepare(q_BTHK, C), prepare(k_BTHK, C),
+                                  prepare(v_BTHV, C), prepare_aux(g_BTH, doc_BT, C), h0_BHKV)
+    return o_BHLV.swapaxes(1, 2)[:, :T].astype(q_BTHK.dtype), hT_BHKV
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _gla(q, k, v, g, doc, h0, scale, C, backend, interpret):
-    return _run_fwd(q, k, v, g, doc, h0, scale, C, backend, interpret)
+def _gla(q_BTHK, k_BTHK, v_BTHV, g_BTH, doc_BT, h0_BHKV, scale, C, backend, interpret):
+    return _run_fwd(q_BTHK, k_BTHK, v_BTHV, g_BTH, doc_BT, h0_BHKV, scale, C, backend, interpret)
 
 
-def _gla_fwd(q, k, v, g, doc, h0, scale, C, backend, interpret):
-    o, hT = _run_fwd(q, k, v, g, doc, h0, scale, C, backend, interpret)
-    return (o, hT), (q, k, v, g, doc, h0, hT)
+def _gla_fwd(q_BTHK, k_BTHK, v_BTHV, g_BTH, doc_BT, h0_BHKV, scale, C, backend, interpret):
+    o_BTHV, hT_BHKV = _run_fwd(q_BTHK, k_BTHK, v_BTHV, g_BTH, doc_BT, h0_BHKV, scale, C, backend, interpret)
+    return (o_BTHV, hT_BHKV), (q_BTHK, k_BTHK, v_BTHV, g_BTH, doc_BT, h0_BHKV, hT_BHKV)
 
 
 def _gla_bwd(scale, C, backend, interpret, res, cts):
-    q, k, v, g, doc, h0, hT = res
-    do, dhT = cts
-    T = q.shape[1]
-    qp, kp = prepare(q, C), prepare(k, C)
-    h0_or_zero = _zero_state(q, v) if h0 is None else h0
-    dq, dk, dv, dh0 = _run_kernel(1, backend, interpret, scale, C, qp, kp, prepare(v, C), prepare_aux(g, doc, C),
-                                  h0_or_zero, prepare(do, C), dhT)
+    q_BTHK, k_BTHK, v_BTHV, g_BTH, doc_BT, h0_BHKV, hT_BHKV = res
+    do_BTHV, dhT_BHKV = cts
+    T = q_BTHK.shape[1]
+    q_BHLK, k_BHLK = prepare(q_BTHK, C), prepare(k_BTHK, C)
+    h0_or_zero = _zero_state(q_BTHK, v_BTHV) if h0_BHKV is None else h0_BHKV
+    dq_BHLK, dk_BHLK, dv_BHLV, dh0_BHKV = _run_kernel(
+        1, backend, interpret, scale, C, q_BHLK, k_BHLK, prepare(v_BTHV, C), prepare_aux(g_BTH, doc_BT, C),
+        h0_or_zero, prepare(do_BTHV, C), dhT_BHKV)
     f32 = jnp.float32
-    db = jnp.sum(qp.astype(f32) * dq - kp.astype(f32) * dk, axis=-1)  # [B, H, T']
-    db = db.at[..., -1].add(jnp.sum(dhT * hT, axis=(-2, -1)))
-    dg = jnp.flip(jnp.cumsum(jnp.flip(db, -1), -1), -1).swapaxes(1, 2)[:, :T]
-    back = lambda x, like: x.swapaxes(1, 2)[:, :T].astype(like.dtype)
-    dh0 = None if h0 is None else dh0.astype(h0.dtype)
-    return back(dq, q), back(dk, k), back(dv, v), dg.astype(g.dtype), None, dh0
+    db_BHL = jnp.sum(q_BHLK.astype(f32) * dq_BHLK - k_BHLK.astype(f32) * dk_BHLK, axis=-1)
+    db_BHL = db_BHL.at[..., -1].add(jnp.sum(dhT_BHKV * hT_BHKV, axis=(-2, -1)))
+    dg_BTH = jnp.flip(jnp.cumsum(jnp.flip(db_BHL, -1), -1), -1).swapaxes(1, 2)[:, :T]
+    back = lambda x_BHLD, like: x_BHLD.swapaxes(1, 2)[:, :T].astype(like.dtype)
+    dh0_BHKV = None if h0_BHKV is None else dh0_BHKV.astype(h0_BHKV.dtype)
+    return (back(dq_BHLK, q_BTHK), back(dk_BHLK, k_BTHK), back(dv_BHLV, v_BTHV), dg_BTH.astype(g_BTH.dtype), None,
+            dh0_BHKV)
 
 
 _gla.defvjp(_gla_fwd, _gla_bwd)
@@ -167,35 +172,35 @@ def simple_gla(q, k, v, g, *, segment_ids=None, initial_state=None, scale=None, 
     B, T, H, K = q.shape
     Vd = v.shape[-1]
     if g.shape == (H,):
-        g = jnp.broadcast_to(g.astype(jnp.float32), (B, T, H))
+        g_BTH = jnp.broadcast_to(g.astype(jnp.float32), (B, T, H))
     elif g.shape != (B, T, H):
         raise ValueError(f"simple_gla: g must be [H]={H,} or [B,T,H]={B, T, H}, got {g.shape}")
+    else:
+        g_BTH = g
     if chunk_size <= 0 or chunk_size % 8:
         raise ValueError(f"simple_gla: chunk_size={chunk_size} must be a positive multiple of 8")
     if segment_ids is None:
-        doc = jnp.zeros((B, T), jnp.int32)
+        doc_BT = jnp.zeros((B, T), jnp.int32)
     elif segment_ids.shape != (B, T):
         raise ValueError(f"simple_gla: segment_ids must be [B,T]={B, T}, got {segment_ids.shape}")
     else:
-        doc = doc_index(segment_ids)
-    if initial_state is None:
-        h0 = None
-    elif initial_state.shape != (B, H, K, Vd):
+        doc_BT = doc_index(segment_ids)
+    if initial_state is not None and initial_state.shape != (B, H, K, Vd):
         raise ValueError(f"simple_gla: initial_state must be [B,H,K,V]={B, H, K, Vd}, got {initial_state.shape}")
-    else:
-        h0 = initial_state
+    h0_BHKV = initial_state
     scale = K**-0.5 if scale is None else float(scale)
     if backend not in BACKENDS:
         raise ValueError(f"gla backend={backend!r}: expected one of {BACKENDS}")
     if backend in ("naive", "quadratic"):
         oracle = gla_reference.naive_recurrence if backend == "naive" else gla_reference.quadratic
-        o, hT = oracle(q, k, v, g, doc, _zero_state(q, v) if h0 is None else h0, scale)
-        o = o.astype(q.dtype)
+        o_BTHV, hT_BHKV = oracle(q, k, v, g_BTH, doc_BT, _zero_state(q, v) if h0_BHKV is None else h0_BHKV, scale)
+        o_BTHV = o_BTHV.astype(q.dtype)
     else:
-        g = vma.vary_like(g, q)
-        h0 = None if h0 is None else vma.vary_like(h0, q)
-        o, hT = _gla(q, k, v, g, doc, h0, scale, chunk_size, backend, None if interpret is None else bool(interpret))
-    return (o, hT) if return_final_state else o
+        g_BTH = vma.vary_like(g_BTH, q)
+        h0_BHKV = None if h0_BHKV is None else vma.vary_like(h0_BHKV, q)
+        o_BTHV, hT_BHKV = _gla(q, k, v, g_BTH, doc_BT, h0_BHKV, scale, chunk_size, backend,
+                               None if interpret is None else bool(interpret))
+    return (o_BTHV, hT_BHKV) if return_final_state else o_BTHV
 
 
 def simple_gla_step(state, q_t, k_t, v_t, g, *, scale=None, reset=None):
@@ -212,12 +217,13 @@ def simple_gla_step(state, q_t, k_t, v_t, g, *, scale=None, reset=None):
     """
     f32 = jnp.float32
     scale = q_t.shape[-1]**-0.5 if scale is None else scale
-    decay = jnp.broadcast_to(jnp.exp(g.astype(f32)), q_t.shape[:2])
+    decay_BH = jnp.broadcast_to(jnp.exp(g.astype(f32)), q_t.shape[:2])
     if reset is not None:
-        decay = jnp.where(reset[:, None], 0.0, decay)
-    new = decay[..., None, None] * state.astype(f32) + k_t.astype(f32)[..., :, None] * v_t.astype(f32)[..., None, :]
-    o_t = scale * jnp.einsum("bhk,bhkv->bhv", q_t.astype(f32), new, precision=jax.lax.Precision.HIGHEST)
-    return o_t.astype(q_t.dtype), new
+        decay_BH = jnp.where(reset[:, None], 0.0, decay_BH)
+    S_BHKV = (decay_BH[..., None, None] * state.astype(f32)
+              + k_t.astype(f32)[..., :, None] * v_t.astype(f32)[..., None, :])
+    o_BHV = scale * jnp.einsum("bhk,bhkv->bhv", q_t.astype(f32), S_BHKV, precision=jax.lax.Precision.HIGHEST)
+    return o_BHV.astype(q_t.dtype), S_BHKV
 
 
 def segment_end_states(k, v, g, segment_ids, num_docs: int):
@@ -235,11 +241,12 @@ def segment_end_states(k, v, g, segment_ids, num_docs: int):
     B, T, H, _ = k.shape
     if g.shape != (H,):
         raise ValueError(f"segment_end_states: g must be per head [H]={H,}, got {g.shape}")
-    doc = doc_index(segment_ids)  # [B, T]
-    t = jnp.arange(T, dtype=jnp.int32)
-    in_doc = doc[:, None, :] == jnp.arange(num_docs, dtype=jnp.int32)[None, :, None]  # [B, N, T]
-    end = jnp.max(jnp.where(in_doc, t, -1), axis=-1)  # [B, N]
-    age = (end[:, :, None] - t).astype(jnp.float32)  # [B, N, T]
-    w = jnp.where(in_doc[..., None], jnp.exp(age[..., None] * g.astype(jnp.float32)), 0.0)  # [B, N, T, H]
+    doc_BT = doc_index(segment_ids)
+    t_T = jnp.arange(T, dtype=jnp.int32)
+    in_doc_BNT = doc_BT[:, None, :] == jnp.arange(num_docs, dtype=jnp.int32)[None, :, None]
+    end_BN = jnp.max(jnp.where(in_doc_BNT, t_T, -1), axis=-1)
+    age_BNT = (end_BN[:, :, None] - t_T).astype(jnp.float32)
+    w_BNTH = jnp.where(in_doc_BNT[..., None], jnp.exp(age_BNT[..., None] * g.astype(jnp.float32)), 0.0)
     f32 = jnp.float32
-    return jnp.einsum("bnth,bthk,bthv->bnhkv", w, k.astype(f32), v.astype(f32), precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("bnth,bthk,bthv->bnhkv", w_BNTH, k.astype(f32), v.astype(f32),
+                      precision=jax.lax.Precision.HIGHEST)

@@ -6,6 +6,8 @@ Works on the prepared layout of `gla.prepare` (time padded to N*C, heads before 
   still sees the state entering its chunk, else 0), w (e^{b_C - b_j} if token j reaches the
   state leaving its chunk, else 0). Chunk states S_c [B, H, N, K, V] are fp32; the backward
   recomputes them instead of keeping anything from the forward.
+Axes in names: B batch, H heads, T time (padded), N chunks, C chunk size (I, J: query and key
+positions within a chunk), K key dim, V value dim.
 """
 
 import jax
@@ -15,6 +17,7 @@ _HI = jax.lax.Precision.HIGHEST
 
 
 def _chunks(x, C):
+    """[B, H, T, ...] -> [B, H, N, C, ...]."""
     B, H, T = x.shape[:3]
     return x.reshape(B, H, T // C, C, *x.shape[3:])
 
@@ -25,55 +28,57 @@ def _ein(spec, *xs):
 
 def _intra_decay(aux, C):
     """D [B, H, N, C, C]: e^{b_i - b_j} for j <= i in the same document, else 0 (masked before exp)."""
-    b, doc = _chunks(aux["b"], C), _chunks(aux["doc"], C)
-    causal = jnp.tril(jnp.ones((C, C), bool))
-    mask = causal & (doc[..., :, None] == doc[..., None, :])
-    return jnp.exp(jnp.where(mask, b[..., :, None] - b[..., None, :], -jnp.inf))
+    b_BHNC, doc_BHNC = _chunks(aux["b"], C), _chunks(aux["doc"], C)
+    causal_IJ = jnp.tril(jnp.ones((C, C), bool))
+    mask_BHNIJ = causal_IJ & (doc_BHNC[..., :, None] == doc_BHNC[..., None, :])
+    return jnp.exp(jnp.where(mask_BHNIJ, b_BHNC[..., :, None] - b_BHNC[..., None, :], -jnp.inf))
 
 
-def _states(k, v, aux, h0, C):
+def _states(k_BHTK, v_BHTV, aux, h0_BHKV, C):
     """States entering each chunk [B, H, N, K, V] and the final state [B, H, K, V], fp32."""
-    w, alpha = _chunks(aux["w"], C), _chunks(aux["alpha"], C)
-    U = _ein("bhnc,bhnck,bhncv->nbhkv", w, _chunks(k, C), _chunks(v, C))
-    lam = jnp.moveaxis(alpha[..., -1], -1, 0)  # [N, B, H]: decay over the chunk, 0 on a reset
+    w_BHNC, alpha_BHNC = _chunks(aux["w"], C), _chunks(aux["alpha"], C)
+    U_NBHKV = _ein("bhnc,bhnck,bhncv->nbhkv", w_BHNC, _chunks(k_BHTK, C), _chunks(v_BHTV, C))
+    lam_NBH = jnp.moveaxis(alpha_BHNC[..., -1], -1, 0)  # decay over the chunk, 0 on a reset
 
-    def step(S, xs):
-        U_c, lam_c = xs
-        return lam_c[..., None, None] * S + U_c, S
+    def step(S_BHKV, xs):
+        U_BHKV, lam_BH = xs
+        return lam_BH[..., None, None] * S_BHKV + U_BHKV, S_BHKV
 
-    hT, S_in = jax.lax.scan(step, h0, (U, lam))
-    return jnp.moveaxis(S_in, 0, 2), hT
+    hT_BHKV, S_NBHKV = jax.lax.scan(step, h0_BHKV, (U_NBHKV, lam_NBH))
+    return jnp.moveaxis(S_NBHKV, 0, 2), hT_BHKV
 
 
 def forward(q, k, v, aux, h0, scale, C):
     """Returns o [B, H, T, V] fp32 and the final state [B, H, K, V] fp32."""
-    S, hT = _states(k, v, aux, h0, C)
-    qc, kc, vc = _chunks(q, C), _chunks(k, C), _chunks(v, C)
-    A = _ein("bhnik,bhnjk->bhnij", qc, kc) * (scale * _intra_decay(aux, C))
-    o = _ein("bhnij,bhnjv->bhniv", A, vc)
-    o += (scale * _chunks(aux["alpha"], C))[..., None] * _ein("bhnik,bhnkv->bhniv", qc, S)
-    return o.reshape(v.shape), hT
+    S_BHNKV, hT_BHKV = _states(k, v, aux, h0, C)
+    q_BHNIK, k_BHNJK, v_BHNJV = _chunks(q, C), _chunks(k, C), _chunks(v, C)
+    A_BHNIJ = _ein("bhnik,bhnjk->bhnij", q_BHNIK, k_BHNJK) * (scale * _intra_decay(aux, C))
+    o_BHNIV = _ein("bhnij,bhnjv->bhniv", A_BHNIJ, v_BHNJV)
+    o_BHNIV += (scale * _chunks(aux["alpha"], C))[..., None] * _ein("bhnik,bhnkv->bhniv", q_BHNIK, S_BHNKV)
+    return o_BHNIV.reshape(v.shape), hT_BHKV
 
 
 def backward(q, k, v, aux, h0, do, dhT, scale, C):
     """Returns dq, dk, dv (fp32, layout of q, k, v) and d h0 [B, H, K, V]."""
-    S, _ = _states(k, v, aux, h0, C)
-    qc, kc, vc, doc_ = _chunks(q, C), _chunks(k, C), _chunks(v, C), _chunks(do, C)
-    alpha, w = _chunks(aux["alpha"], C), _chunks(aux["w"], C)
-    V = _ein("bhni,bhnik,bhniv->nbhkv", scale * alpha, qc, doc_)
-    lam = jnp.moveaxis(alpha[..., -1], -1, 0)
+    S_BHNKV, _ = _states(k, v, aux, h0, C)
+    q_BHNIK, k_BHNJK, v_BHNJV, do_BHNIV = _chunks(q, C), _chunks(k, C), _chunks(v, C), _chunks(do, C)
+    alpha_BHNI, w_BHNJ = _chunks(aux["alpha"], C), _chunks(aux["w"], C)
+    V_NBHKV = _ein("bhni,bhnik,bhniv->nbhkv", scale * alpha_BHNI, q_BHNIK, do_BHNIV)
+    lam_NBH = jnp.moveaxis(alpha_BHNI[..., -1], -1, 0)
 
-    def step(G, xs):  # reverse sweep: G is dL/d(state leaving chunk c)
-        V_c, lam_c = xs
-        return lam_c[..., None, None] * G + V_c, G
+    def step(G_BHKV, xs):  # reverse sweep: G is dL/d(state leaving chunk c)
+        V_BHKV, lam_BH = xs
+        return lam_BH[..., None, None] * G_BHKV + V_BHKV, G_BHKV
 
-    dh0, G_out = jax.lax.scan(step, dhT.astype(jnp.float32), (V, lam), reverse=True)
-    G_out = jnp.moveaxis(G_out, 0, 2)  # [B, H, N, K, V]
-    D = scale * _intra_decay(aux, C)
-    A = _ein("bhnik,bhnjk->bhnij", qc, kc) * D
-    dA = _ein("bhniv,bhnjv->bhnij", doc_, vc) * D
-    dq = _ein("bhnij,bhnjk->bhnik", dA, kc)
-    dq += (scale * alpha)[..., None] * _ein("bhniv,bhnkv->bhnik", doc_, S)
-    dk = _ein("bhnij,bhnik->bhnjk", dA, qc) + w[..., None] * _ein("bhnjv,bhnkv->bhnjk", vc, G_out)
-    dv = _ein("bhnij,bhniv->bhnjv", A, doc_) + w[..., None] * _ein("bhnjk,bhnkv->bhnjv", kc, G_out)
-    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dh0
+    dh0_BHKV, G_NBHKV = jax.lax.scan(step, dhT.astype(jnp.float32), (V_NBHKV, lam_NBH), reverse=True)
+    G_BHNKV = jnp.moveaxis(G_NBHKV, 0, 2)
+    D_BHNIJ = scale * _intra_decay(aux, C)
+    A_BHNIJ = _ein("bhnik,bhnjk->bhnij", q_BHNIK, k_BHNJK) * D_BHNIJ
+    dA_BHNIJ = _ein("bhniv,bhnjv->bhnij", do_BHNIV, v_BHNJV) * D_BHNIJ
+    dq_BHNIK = _ein("bhnij,bhnjk->bhnik", dA_BHNIJ, k_BHNJK)
+    dq_BHNIK += (scale * alpha_BHNI)[..., None] * _ein("bhniv,bhnkv->bhnik", do_BHNIV, S_BHNKV)
+    dk_BHNJK = (_ein("bhnij,bhnik->bhnjk", dA_BHNIJ, q_BHNIK)
+                + w_BHNJ[..., None] * _ein("bhnjv,bhnkv->bhnjk", v_BHNJV, G_BHNKV))
+    dv_BHNJV = (_ein("bhnij,bhniv->bhnjv", A_BHNIJ, do_BHNIV)
+                + w_BHNJ[..., None] * _ein("bhnjk,bhnkv->bhnjv", k_BHNJK, G_BHNKV))
+    return dq_BHNIK.reshape(q.shape), dk_BHNJK.reshape(k.shape), dv_BHNJV.reshape(v.shape), dh0_BHKV

@@ -11,6 +11,10 @@ partial that is summed outside.
 Per-token factors (b, doc, alpha, w) are [B, H, T] fp32 vectors, see gla_chunked.
 Triton needs power-of-two block shapes: K and V are zero-padded up to one (exact, the
 padding adds zero terms) and the chunk size must be a power of two >= 16.
+Kernel refs hold one head's whole sequence: q, k, dq, dk [T, K]; v, do, o, dv [T, BLOCK_V];
+b, doc, alpha, w [T]; the states h0, hT and their gradients [K, BLOCK_V].
+Axes in names: B batch, H heads, T time (padded), C chunk size, K key dim, V value dim (or a
+block of it), P V blocks (per-block partial sums).
 """
 
 import functools
@@ -39,23 +43,24 @@ def _load(refs, n, C, scale):
     s = pl.ds(pl.multiple_of(n * C, C), C)
     b_ref, doc_ref, alpha_ref, w_ref = refs[-4:]
     xs = [r[s, :] for r in refs[:-4]]
-    b, doc, alpha, w = b_ref[s], doc_ref[s], alpha_ref[s], w_ref[s]
+    b_C, doc_C, alpha_C, w_C = b_ref[s], doc_ref[s], alpha_ref[s], w_ref[s]
     i = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    mask = (i >= j) & (doc[:, None] == doc[None, :])
-    D = jnp.exp(jnp.where(mask, b[:, None] - b[None, :], -jnp.inf)) * scale
-    lam = jnp.sum(jnp.where(jnp.arange(C) == C - 1, alpha, 0.0))
-    return s, xs, D, alpha[:, None], w[:, None], lam
+    mask_CC = (i >= j) & (doc_C[:, None] == doc_C[None, :])
+    D_CC = jnp.exp(jnp.where(mask_CC, b_C[:, None] - b_C[None, :], -jnp.inf)) * scale
+    lam = jnp.sum(jnp.where(jnp.arange(C) == C - 1, alpha_C, 0.0))
+    return s, xs, D_CC, alpha_C[:, None], w_C[:, None], lam
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, b_ref, doc_ref, alpha_ref, w_ref, h0_ref, o_ref, hT_ref, *, scale, C):
     dt = q_ref.dtype
 
-    def body(n, S):
-        s, (q, k, v), D, alpha, w, lam = _load((q_ref, k_ref, v_ref, b_ref, doc_ref, alpha_ref, w_ref), n, C, scale)
-        o = _dot(_dot(q, k, dt, tb=True) * D, v, dt) + (scale * alpha) * _dot(q, S, dt)
-        o_ref[s, :] = o.astype(o_ref.dtype)
-        return lam * S + _dot(k * w, v, dt, ta=True)
+    def body(n, S_KV):
+        refs = (q_ref, k_ref, v_ref, b_ref, doc_ref, alpha_ref, w_ref)
+        s, (q_CK, k_CK, v_CV), D_CC, alpha_C1, w_C1, lam = _load(refs, n, C, scale)
+        o_CV = _dot(_dot(q_CK, k_CK, dt, tb=True) * D_CC, v_CV, dt) + (scale * alpha_C1) * _dot(q_CK, S_KV, dt)
+        o_ref[s, :] = o_CV.astype(o_ref.dtype)
+        return lam * S_KV + _dot(k_CK * w_C1, v_CV, dt, ta=True)
 
     hT_ref[...] = jax.lax.fori_loop(0, q_ref.shape[0] // C, body, h0_ref[...])
 
@@ -63,12 +68,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, b_ref, doc_ref, alpha_ref, w_ref, h0_ref, o
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref, h0_ref, dq_ref, *, scale, C):
     dt = q_ref.dtype
 
-    def body(n, S):
-        s, (k, v, do), D, alpha, w, lam = _load((k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref), n, C,
-                                                scale)
-        dA = _dot(do, v, dt, tb=True) * D
-        dq_ref[s, :] = _dot(dA, k, dt) + (scale * alpha) * _dot(do, S, dt, tb=True)
-        return lam * S + _dot(k * w, v, dt, ta=True)
+    def body(n, S_KV):
+        refs = (k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref)
+        s, (k_CK, v_CV, do_CV), D_CC, alpha_C1, w_C1, lam = _load(refs, n, C, scale)
+        dA_CC = _dot(do_CV, v_CV, dt, tb=True) * D_CC
+        dq_ref[s, :] = _dot(dA_CC, k_CK, dt) + (scale * alpha_C1) * _dot(do_CV, S_KV, dt, tb=True)
+        return lam * S_KV + _dot(k_CK * w_C1, v_CV, dt, ta=True)
 
     jax.lax.fori_loop(0, q_ref.shape[0] // C, body, h0_ref[...])
 
@@ -77,14 +82,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref, 
                  *, scale, C):
     N, dt = q_ref.shape[0] // C, q_ref.dtype
 
-    def body(r, G):
+    def body(r, G_KV):
         refs = (q_ref, k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref)
-        s, (q, k, v, do), D, alpha, w, lam = _load(refs, N - 1 - r, C, scale)
-        A = _dot(q, k, dt, tb=True) * D
-        dA = _dot(do, v, dt, tb=True) * D
-        dk_ref[s, :] = _dot(dA, q, dt, ta=True) + w * _dot(v, G, dt, tb=True)
-        dv_ref[s, :] = _dot(A, do, dt, ta=True) + w * _dot(k, G, dt)
-        return lam * G + _dot(q * (scale * alpha), do, dt, ta=True)
+        s, (q_CK, k_CK, v_CV, do_CV), D_CC, alpha_C1, w_C1, lam = _load(refs, N - 1 - r, C, scale)
+        A_CC = _dot(q_CK, k_CK, dt, tb=True) * D_CC
+        dA_CC = _dot(do_CV, v_CV, dt, tb=True) * D_CC
+        dk_ref[s, :] = _dot(dA_CC, q_CK, dt, ta=True) + w_C1 * _dot(v_CV, G_KV, dt, tb=True)
+        dv_ref[s, :] = _dot(A_CC, do_CV, dt, ta=True) + w_C1 * _dot(k_CK, G_KV, dt)
+        return lam * G_KV + _dot(q_CK * (scale * alpha_C1), do_CV, dt, ta=True)
 
     dh0_ref[...] = jax.lax.fori_loop(0, N, body, dhT_ref[...])
 
@@ -97,8 +102,8 @@ def _pad_last(x, d):
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
 
 
-def _pad_state(x, K, V):
-    return jnp.pad(x.astype(jnp.float32), ((0, 0), (0, 0), (0, K - x.shape[2]), (0, V - x.shape[3])))
+def _pad_state(x_BHKV, K, V):
+    return jnp.pad(x_BHKV.astype(jnp.float32), ((0, 0), (0, 0), (0, K - x_BHKV.shape[2]), (0, V - x_BHKV.shape[3])))
 
 
 def _call(kernel, args, outs, kinds, BV, interpret, num_warps=4):
@@ -141,8 +146,8 @@ def forward(q, k, v, aux, h0, scale, C, *, interpret=False, block_v=None):
     args = (_pad_last(q, K), _pad_last(k, K), _pad_last(v, V)) + aux4 + (_pad_state(h0, K, V),)
     outs = [vma.out_struct((B, H, T, V), q.dtype, q), vma.out_struct((B, H, K, V), jnp.float32, q)]
     kinds = ("full", "full", "v") + ("full",) * 4 + ("v", "v", "v")
-    o, hT = _call(functools.partial(_fwd_kernel, scale=scale, C=C), args, outs, kinds, BV, interpret)
-    return o[..., :V0], hT[:, :, :K0, :V0]
+    o_BHTV, hT_BHKV = _call(functools.partial(_fwd_kernel, scale=scale, C=C), args, outs, kinds, BV, interpret)
+    return o_BHTV[..., :V0], hT_BHKV[:, :, :K0, :V0]
 
 
 def backward(q, k, v, aux, h0, do, dhT, scale, C, *, interpret=False, block_v=None):
@@ -158,11 +163,11 @@ def backward(q, k, v, aux, h0, do, dhT, scale, C, *, interpret=False, block_v=No
     qkvdo = (_pad_last(q, K), _pad_last(k, K), _pad_last(v, V), _pad_last(do, V))
     kinds_in = ("full", "full", "v", "v") + ("full",) * 4 + ("v",)
     part = vma.out_struct((NV, B, H, T, K), f32, q)
-    (dq,) = _call(functools.partial(_dq_kernel, scale=scale, C=C), qkvdo + aux4 + (_pad_state(h0, K, V),),
-                  [part], kinds_in + ("part",), BV, interpret)
-    dk, dv, dh0 = _call(
+    (dq_PBHTK,) = _call(functools.partial(_dq_kernel, scale=scale, C=C), qkvdo + aux4 + (_pad_state(h0, K, V),),
+                        [part], kinds_in + ("part",), BV, interpret)
+    dk_PBHTK, dv_BHTV, dh0_BHKV = _call(
         functools.partial(_dkdv_kernel, scale=scale, C=C), qkvdo + aux4 + (_pad_state(dhT, K, V),),
         [part, vma.out_struct((B, H, T, V), f32, q), vma.out_struct((B, H, K, V), f32, q)],
         kinds_in + ("part", "v", "v"), BV, interpret)
-    dq, dk = dq.sum(0), dk.sum(0)
-    return dq[..., :K0], dk[..., :K0], dv[..., :V0], dh0[:, :, :K0, :V0]
+    dq_BHTK, dk_BHTK = dq_PBHTK.sum(0), dk_PBHTK.sum(0)
+    return dq_BHTK[..., :K0], dk_BHTK[..., :K0], dv_BHTV[..., :V0], dh0_BHKV[:, :, :K0, :V0]

@@ -10,6 +10,9 @@ The per-token fp32 factors (b, doc, alpha, w) of a chunk come as one lane-dense 
 tile for the column views it needs. (A [B, H, T, 1] column would be padded to 128 lanes in
 HBM: 128x the bytes of the factor and of its reads.)
 Math as in gla_chunked; D_ij = e^{b_i - b_j} masked (before exp) to j <= i, same document.
+Kernel refs hold one chunk of one head: q, k, dq, dk [C, K]; v, do, o, dv [C, V]; fac [8, C];
+the states h0, hT, S, G and their gradients [K, V].
+Axes in names: B batch, H heads, T time (padded), N chunks, C chunk size, K key dim, V value dim.
 """
 
 import functools
@@ -35,18 +38,18 @@ def _dot(a, b, dt, ta=False, tb=False):
 def _factors(fac_ref, scale):
     """Per-chunk factors from the [8, C] tile: scaled masked decay D [C, C], alpha and w columns
     [C, 1], lam [1, 1]."""
-    rows = fac_ref[...]
-    cols = rows.T  # [C, 8]
-    b_col, doc_col, alpha, w = (cols[:, i:i + 1] for i in range(4))
-    b_row, doc_row = rows[0:1, :], rows[1:2, :]
-    C = rows.shape[1]
+    rows_8C = fac_ref[...]
+    cols_C8 = rows_8C.T
+    b_C1, doc_C1, alpha_C1, w_C1 = (cols_C8[:, i:i + 1] for i in range(4))
+    b_1C, doc_1C = rows_8C[0:1, :], rows_8C[1:2, :]
+    C = rows_8C.shape[1]
     i = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    mask = (i >= j) & (doc_col == doc_row)
-    D = jnp.exp(jnp.where(mask, b_col - b_row, -jnp.inf)) * scale
-    last = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0) == C - 1
-    lam = jnp.sum(jnp.where(last, alpha, 0.0), axis=0, keepdims=True)  # alpha of the last token
-    return D, alpha, w, lam
+    mask_CC = (i >= j) & (doc_C1 == doc_1C)
+    D_CC = jnp.exp(jnp.where(mask_CC, b_C1 - b_1C, -jnp.inf)) * scale
+    last_C1 = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0) == C - 1
+    lam_11 = jnp.sum(jnp.where(last_C1, alpha_C1, 0.0), axis=0, keepdims=True)  # alpha of the last token
+    return D_CC, alpha_C1, w_C1, lam_11
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, fac_ref, h0_ref, o_ref, hT_ref, S_ref, *, scale):
@@ -56,19 +59,19 @@ def _fwd_kernel(q_ref, k_ref, v_ref, fac_ref, h0_ref, o_ref, hT_ref, S_ref, *, s
     def _():
         S_ref[...] = h0_ref[...]
 
-    q, k, v = q_ref[...], k_ref[...], v_ref[...]
-    D, alpha, w, lam = _factors(fac_ref, scale)
+    q_CK, k_CK, v_CV = q_ref[...], k_ref[...], v_ref[...]
+    D_CC, alpha_C1, w_C1, lam_11 = _factors(fac_ref, scale)
     dt = q_ref.dtype
-    S = S_ref[...]
-    A = _dot(q, k, dt, tb=True) * D
-    o = _dot(A, v, dt) + (scale * alpha) * _dot(q, S, dt)
-    o_ref[...] = o.astype(o_ref.dtype)
-    S = lam * S + _dot(k * w, v, dt, ta=True)
-    S_ref[...] = S
+    S_KV = S_ref[...]
+    A_CC = _dot(q_CK, k_CK, dt, tb=True) * D_CC
+    o_CV = _dot(A_CC, v_CV, dt) + (scale * alpha_C1) * _dot(q_CK, S_KV, dt)
+    o_ref[...] = o_CV.astype(o_ref.dtype)
+    S_KV = lam_11 * S_KV + _dot(k_CK * w_C1, v_CV, dt, ta=True)
+    S_ref[...] = S_KV
 
     @pl.when(n == pl.num_programs(2) - 1)
     def _():
-        hT_ref[...] = S
+        hT_ref[...] = S_KV
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, fac_ref, h0_ref, dq_ref, S_ref, *, scale):
@@ -76,13 +79,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, fac_ref, h0_ref, dq_ref, S_ref, *, s
     def _():
         S_ref[...] = h0_ref[...]
 
-    k, v, do = k_ref[...], v_ref[...], do_ref[...]
-    D, alpha, w, lam = _factors(fac_ref, scale)
+    k_CK, v_CV, do_CV = k_ref[...], v_ref[...], do_ref[...]
+    D_CC, alpha_C1, w_C1, lam_11 = _factors(fac_ref, scale)
     dt = q_ref.dtype
-    S = S_ref[...]
-    dA = _dot(do, v, dt, tb=True) * D
-    dq_ref[...] = _dot(dA, k, dt) + (scale * alpha) * _dot(do, S, dt, tb=True)
-    S_ref[...] = lam * S + _dot(k * w, v, dt, ta=True)
+    S_KV = S_ref[...]
+    dA_CC = _dot(do_CV, v_CV, dt, tb=True) * D_CC
+    dq_ref[...] = _dot(dA_CC, k_CK, dt) + (scale * alpha_C1) * _dot(do_CV, S_KV, dt, tb=True)
+    S_ref[...] = lam_11 * S_KV + _dot(k_CK * w_C1, v_CV, dt, ta=True)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, fac_ref, dhT_ref, dk_ref, dv_ref, dh0_ref, G_ref, *, scale):
@@ -92,27 +95,27 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, fac_ref, dhT_ref, dk_ref, dv_ref, 
     def _():
         G_ref[...] = dhT_ref[...]
 
-    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    D, alpha, w, lam = _factors(fac_ref, scale)
+    q_CK, k_CK, v_CV, do_CV = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    D_CC, alpha_C1, w_C1, lam_11 = _factors(fac_ref, scale)
     dt = q_ref.dtype
-    G = G_ref[...]
-    A = _dot(q, k, dt, tb=True) * D
-    dA = _dot(do, v, dt, tb=True) * D
-    dk_ref[...] = _dot(dA, q, dt, ta=True) + w * _dot(v, G, dt, tb=True)
-    dv_ref[...] = _dot(A, do, dt, ta=True) + w * _dot(k, G, dt)
-    G = lam * G + _dot(q * (scale * alpha), do, dt, ta=True)
-    G_ref[...] = G
+    G_KV = G_ref[...]
+    A_CC = _dot(q_CK, k_CK, dt, tb=True) * D_CC
+    dA_CC = _dot(do_CV, v_CV, dt, tb=True) * D_CC
+    dk_ref[...] = _dot(dA_CC, q_CK, dt, ta=True) + w_C1 * _dot(v_CV, G_KV, dt, tb=True)
+    dv_ref[...] = _dot(A_CC, do_CV, dt, ta=True) + w_C1 * _dot(k_CK, G_KV, dt)
+    G_KV = lam_11 * G_KV + _dot(q_CK * (scale * alpha_C1), do_CV, dt, ta=True)
+    G_ref[...] = G_KV
 
     @pl.when(n == pl.num_programs(2) - 1)
     def _():
-        dh0_ref[...] = G
+        dh0_ref[...] = G_KV
 
 
 def _factor_tiles(aux, C):
     """(b, doc, alpha, w) [B, H, T] -> one fp32 tile per chunk [B, H, N, 8, C], rows 4..7 zero."""
     B, H, T = aux["b"].shape
-    rows = [aux[name].astype(jnp.float32).reshape(B, H, T // C, 1, C) for name in ("b", "doc", "alpha", "w")]
-    return jnp.concatenate(rows + [jnp.zeros((B, H, T // C, 4, C), jnp.float32)], axis=3)
+    rows_BHN1C = [aux[name].astype(jnp.float32).reshape(B, H, T // C, 1, C) for name in ("b", "doc", "alpha", "w")]
+    return jnp.concatenate(rows_BHN1C + [jnp.zeros((B, H, T // C, 4, C), jnp.float32)], axis=3)
 
 
 def _specs(C, K, V, N, reverse=False):
@@ -155,10 +158,10 @@ def forward(q, k, v, aux, h0, scale, C, *, interpret=False):
     B, H, T, K = q.shape
     V = v.shape[-1]
     tok, fac_spec, state = _specs(C, K, V, T // C)
-    fac = _factor_tiles(aux, C)
+    fac_BHN8C = _factor_tiles(aux, C)
     return _call(
         functools.partial(_fwd_kernel, scale=scale), "ling2_gla_fwd", 2 * C * C * (K + V) + 4 * C * K * V,
-        (q, k, v, fac, h0.astype(jnp.float32)),
+        (q, k, v, fac_BHN8C, h0.astype(jnp.float32)),
         [tok(K), tok(K), tok(V), fac_spec, state],
         [tok(V), state],
         [vma.out_struct((B, H, T, V), q.dtype, q), vma.out_struct((B, H, K, V), jnp.float32, q)],
@@ -168,22 +171,22 @@ def forward(q, k, v, aux, h0, scale, C, *, interpret=False):
 def backward(q, k, v, aux, h0, do, dhT, scale, C, *, interpret=False):
     B, H, T, K = q.shape
     V = v.shape[-1]
-    fac = _factor_tiles(aux, C)
+    fac_BHN8C = _factor_tiles(aux, C)
     f32 = jnp.float32
     tok, fac_spec, state = _specs(C, K, V, T // C)
-    dq = _call(
+    dq_BHTK = _call(
         functools.partial(_dq_kernel, scale=scale), "ling2_gla_dq", 2 * C * C * (K + V) + 4 * C * K * V,
-        (q, k, v, do, fac, h0.astype(f32)),
+        (q, k, v, do, fac_BHN8C, h0.astype(f32)),
         [tok(K), tok(K), tok(V), tok(V), fac_spec, state],
         tok(K), vma.out_struct((B, H, T, K), f32, q),
         (B, H, T // C), C, K, V, interpret)
     tok, fac_spec, state = _specs(C, K, V, T // C, reverse=True)
-    dk, dv, dh0 = _call(
+    dk_BHTK, dv_BHTV, dh0_BHKV = _call(
         functools.partial(_dkdv_kernel, scale=scale), "ling2_gla_dkdv", 4 * C * C * (K + V) + 6 * C * K * V,
-        (q, k, v, do, fac, dhT.astype(f32)),
+        (q, k, v, do, fac_BHN8C, dhT.astype(f32)),
         [tok(K), tok(K), tok(V), tok(V), fac_spec, state],
         [tok(K), tok(V), state],
         [vma.out_struct((B, H, T, K), f32, q), vma.out_struct((B, H, T, V), f32, q),
          vma.out_struct((B, H, K, V), f32, q)],
         (B, H, T // C), C, K, V, interpret)
-    return dq, dk, dv, dh0
+    return dq_BHTK, dk_BHTK, dv_BHTV, dh0_BHKV

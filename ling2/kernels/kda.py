@@ -17,6 +17,9 @@ Numerics: the state and every accumulation are fp32 (fp64 for fp64 inputs); "chu
 in fp32 throughout; with bf16 inputs the Pallas kernels feed data matmuls as bf16 (as fla does).
 Per-key-dim decays are only ever exponentiated as sums of g over a span (never e^{-b}), so strong
 gates (-5 per token, -320 over a chunk of 64, or unbounded) stay finite.
+
+Axes in names: B batch, T time, L time padded to a multiple of C, C chunk size, N chunks, H heads,
+K key dim, V value dim.
 """
 
 import functools
@@ -41,22 +44,22 @@ def resolve_backend(backend: str) -> str:
 
 
 def prepare_beta(beta_BTH, C):
-    """Pads T to a multiple of C with zeros and moves heads first: [B, T, H] -> [B, H, T']."""
+    """Pads T to a multiple of C with zeros and moves heads first: [B, T, H] -> [B, H, L]."""
     return jnp.pad(beta_BTH, ((0, 0), (0, -beta_BTH.shape[1] % C), (0, 0))).swapaxes(1, 2)
 
 
 def prepare_docs(doc_BT, C):
-    """Per-token document facts [B, 1, T'] for the chunked kernels: doc (index, padding continues the
+    """Per-token document facts [B, 1, L] for the chunked kernels: doc (index, padding continues the
     last document), first (token shares the document of the state entering its chunk), last (token
     shares the document of its chunk's last token, so it reaches the state leaving the chunk)."""
     B, T = doc_BT.shape
-    doc = jnp.pad(doc_BT, ((0, 0), (0, -T % C)), mode="edge")
-    N = doc.shape[1] // C
-    doc_c = doc.reshape(B, N, C)
-    doc_end = doc_c[..., -1:]
-    doc_before = jnp.concatenate([doc_c[:, :1, :1], doc_end[:, :-1]], axis=1)
-    flat = lambda x: x.reshape(B, 1, N * C)
-    return {"doc": flat(doc_c), "first": flat(doc_c == doc_before), "last": flat(doc_c == doc_end)}
+    doc_BL = jnp.pad(doc_BT, ((0, 0), (0, -T % C)), mode="edge")
+    N = doc_BL.shape[1] // C
+    doc_BNC = doc_BL.reshape(B, N, C)
+    end_BN1 = doc_BNC[..., -1:]
+    before_BN1 = jnp.concatenate([doc_BNC[:, :1, :1], end_BN1[:, :-1]], axis=1)
+    flat = lambda x_BNC: x_BNC.reshape(B, 1, N * C)
+    return {"doc": flat(doc_BNC), "first": flat(doc_BNC == before_BN1), "last": flat(doc_BNC == end_BN1)}
 
 
 def _kernels(backend, interpret):
@@ -67,41 +70,44 @@ def _kernels(backend, interpret):
             functools.partial(mod.backward, interpret=interpret))
 
 
-def _zero_state(q, v):
-    acc = kda_reference.acc_dtype(q.dtype)
-    return vary_like(jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), acc), q)
+def _zero_state(q_BTHK, v_BTHV):
+    acc = kda_reference.acc_dtype(q_BTHK.dtype)
+    B, _, H, K = q_BTHK.shape
+    return vary_like(jnp.zeros((B, H, K, v_BTHV.shape[3]), acc), q_BTHK)
 
 
-def _run_fwd(q, k, v, g, beta, doc, h0, scale, C, backend, interpret):
-    T = q.shape[1]
+def _run_fwd(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, doc_BT, h0_BHKV, scale, C, backend, interpret):
+    T = q_BTHK.shape[1]
     fwd, _ = _kernels(backend, interpret)
-    h0 = _zero_state(q, v) if h0 is None else h0
-    o, hT = fwd(prepare(q, C), prepare(k, C), prepare(v, C), prepare(g, C), prepare_beta(beta, C),
-                prepare_docs(doc, C), h0, scale, C)
-    return o.swapaxes(1, 2)[:, :T].astype(q.dtype), hT
+    h0_BHKV = _zero_state(q_BTHK, v_BTHV) if h0_BHKV is None else h0_BHKV
+    o_BHLV, hT_BHKV = fwd(prepare(q_BTHK, C), prepare(k_BTHK, C), prepare(v_BTHV, C), prepare(g_BTHK, C),
+                          prepare_beta(beta_BTH, C), prepare_docs(doc_BT, C), h0_BHKV, scale, C)
+    return o_BHLV.swapaxes(1, 2)[:, :T].astype(q_BTHK.dtype), hT_BHKV
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _kda(q, k, v, g, beta, doc, h0, scale, C, backend, interpret):
-    return _run_fwd(q, k, v, g, beta, doc, h0, scale, C, backend, interpret)
+def _kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, doc_BT, h0_BHKV, scale, C, backend, interpret):
+    return _run_fwd(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, doc_BT, h0_BHKV, scale, C, backend, interpret)
 
 
-def _kda_fwd(q, k, v, g, beta, doc, h0, scale, C, backend, interpret):
-    return _run_fwd(q, k, v, g, beta, doc, h0, scale, C, backend, interpret), (q, k, v, g, beta, doc, h0)
+def _kda_fwd(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, doc_BT, h0_BHKV, scale, C, backend, interpret):
+    out = _run_fwd(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, doc_BT, h0_BHKV, scale, C, backend, interpret)
+    return out, (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, doc_BT, h0_BHKV)
 
 
 def _kda_bwd(scale, C, backend, interpret, res, cts):
-    q, k, v, g, beta, doc, h0 = res
-    do, dhT = cts
-    T = q.shape[1]
+    q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, doc_BT, h0_BHKV = res
+    do_BTHV, dhT_BHKV = cts
+    T = q_BTHK.shape[1]
     _, bwd = _kernels(backend, interpret)
-    h0_or_zero = _zero_state(q, v) if h0 is None else h0
-    dq, dk, dv, dg, dbeta, dh0 = bwd(prepare(q, C), prepare(k, C), prepare(v, C), prepare(g, C),
-                                     prepare_beta(beta, C), prepare_docs(doc, C), h0_or_zero, prepare(do, C),
-                                     dhT, scale, C)
-    back = lambda x, like: x.swapaxes(1, 2)[:, :T].astype(like.dtype)
-    dh0 = None if h0 is None else dh0.astype(h0.dtype)
-    return back(dq, q), back(dk, k), back(dv, v), back(dg, g), back(dbeta, beta), None, dh0
+    h0_or_zero = _zero_state(q_BTHK, v_BTHV) if h0_BHKV is None else h0_BHKV
+    dq_BHLK, dk_BHLK, dv_BHLV, dg_BHLK, dbeta_BHL, dh0_BHKV = bwd(
+        prepare(q_BTHK, C), prepare(k_BTHK, C), prepare(v_BTHV, C), prepare(g_BTHK, C), prepare_beta(beta_BTH, C),
+        prepare_docs(doc_BT, C), h0_or_zero, prepare(do_BTHV, C), dhT_BHKV, scale, C)
+    back = lambda x, like: x.swapaxes(1, 2)[:, :T].astype(like.dtype)  # [B, H, L, ...] -> [B, T, H, ...]
+    dh0_BHKV = None if h0_BHKV is None else dh0_BHKV.astype(h0_BHKV.dtype)
+    return (back(dq_BHLK, q_BTHK), back(dk_BHLK, k_BTHK), back(dv_BHLV, v_BTHV), back(dg_BHLK, g_BTHK),
+            back(dbeta_BHL, beta_BTH), None, dh0_BHKV)
 
 
 _kda.defvjp(_kda_fwd, _kda_bwd)
@@ -140,27 +146,29 @@ def kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None, scale=None, c
         raise ValueError(f"kda: beta must be [B,T,H]={B, T, H}, got {beta.shape}")
     _check_chunk(chunk_size)
     if segment_ids is None:
-        doc = jnp.zeros((B, T), jnp.int32)
+        doc_BT = jnp.zeros((B, T), jnp.int32)
     elif segment_ids.shape != (B, T):
         raise ValueError(f"kda: segment_ids must be [B,T]={B, T}, got {segment_ids.shape}")
     else:
-        doc = doc_index(segment_ids)
+        doc_BT = doc_index(segment_ids)
     if initial_state is not None and initial_state.shape != (B, H, K, Vd):
         raise ValueError(f"kda: initial_state must be [B,H,K,V]={B, H, K, Vd}, got {initial_state.shape}")
     acc = kda_reference.acc_dtype(q.dtype)
-    h0 = None if initial_state is None else initial_state.astype(acc)
-    g, beta = g.astype(acc), beta.astype(acc)
+    h0_BHKV = None if initial_state is None else initial_state.astype(acc)
+    g_BTHK, beta_BTH = g.astype(acc), beta.astype(acc)
     scale = K**-0.5 if scale is None else float(scale)
     backend = resolve_backend(backend)
     if backend == "naive":
-        o, hT = kda_reference.naive_recurrence(q, k, v, g, beta, doc, _zero_state(q, v) if h0 is None else h0, scale)
-        o = o.astype(q.dtype)
+        h0_BHKV = _zero_state(q, v) if h0_BHKV is None else h0_BHKV
+        o_BTHV, hT_BHKV = kda_reference.naive_recurrence(q, k, v, g_BTHK, beta_BTH, doc_BT, h0_BHKV, scale)
+        o_BTHV = o_BTHV.astype(q.dtype)
     else:
         if interpret is None:
             interpret = jax.default_backend() == "cpu"
-        h0 = None if h0 is None else vary_like(h0, q)
-        o, hT = _kda(q, k, v, g, beta, doc, h0, scale, chunk_size, backend, bool(interpret))
-    return (o, hT) if return_final_state else o
+        h0_BHKV = None if h0_BHKV is None else vary_like(h0_BHKV, q)
+        o_BTHV, hT_BHKV = _kda(q, k, v, g_BTHK, beta_BTH, doc_BT, h0_BHKV, scale, chunk_size, backend,
+                               bool(interpret))
+    return (o_BTHV, hT_BHKV) if return_final_state else o_BTHV
 
 
 def kda_step(state, q_t, k_t, v_t, g_t, beta_t, *, scale=None, reset=None):
@@ -178,6 +186,6 @@ def kda_step(state, q_t, k_t, v_t, g_t, beta_t, *, scale=None, reset=None):
     acc = kda_reference.acc_dtype(q_t.dtype)
     scale = q_t.shape[-1]**-0.5 if scale is None else scale
     reset = jnp.zeros(q_t.shape[:1], bool) if reset is None else reset
-    o_t, new = kda_reference.step(state.astype(acc), *(x.astype(acc) for x in (q_t, k_t, v_t, g_t, beta_t)), reset,
-                                  scale)
-    return o_t.astype(q_t.dtype), new
+    o_BHV, S_BHKV = kda_reference.step(state.astype(acc), *(x.astype(acc) for x in (q_t, k_t, v_t, g_t, beta_t)),
+                                       reset, scale)
+    return o_BHV.astype(q_t.dtype), S_BHKV

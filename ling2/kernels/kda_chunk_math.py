@@ -27,6 +27,9 @@ x_i y_j e^{b_i - b_j} term, and dg is the reverse cumulative sum of dL/db within
 Precision: with fp32 (fp64) inputs every matmul is fp32 (fp64) at HIGHEST. With bf16 inputs, the
 matmuls that touch data (state, values, outputs) take bf16 operands as fla does; the decay products
 and the inverse take fp32 operands (HIGHEST on TPU, TF32 on GPU as fla's solve); exponents are exact.
+
+Axes in names: C chunk tokens (both axes of a [C, C] pair matrix), K key dim, V value dim, 1 a
+kept singleton axis. The math's own T (the inverse) is `T_CC`.
 """
 
 import jax
@@ -71,120 +74,125 @@ def level_mask(C, l):
     return (((i >> l) & 1) == 1) & (((j >> l) & 1) == 0) & ((i >> (l + 1)) == (j >> (l + 1)))
 
 
-def level_exp(g, l, dots):
+def level_exp(g_CK, l, dots):
     """e^{E_l} [C, K]: E_l = sum of g over (pair boundary, i] for a bottom-half token i and over (i, pair
     boundary] for a top-half token; every entry <= 1."""
-    t, u = _iota(g.shape[0])
-    bottom = ((t >> l) & 1) == 1
-    M = ((t >> l) == (u >> l)) & ((bottom & (u <= t)) | (~bottom & (u > t)))
-    return jnp.exp(dots.exact(dots.mask(M), g))
+    t, u = _iota(g_CK.shape[0])
+    bottom_CC = ((t >> l) & 1) == 1
+    M_CC = ((t >> l) == (u >> l)) & ((bottom_CC & (u <= t)) | (~bottom_CC & (u > t)))
+    return jnp.exp(dots.exact(dots.mask(M_CC), g_CK))
 
 
-def decays(g, first, last, V, dots):
+def decays(g_CK, first_C1, last_C1, V, dots):
     """alpha = e^{b}, omega = e^{b_C - b} (both [C, K], masked to their documents) and lam = e^{b_C}
     broadcast over V as [K, V] (0 when the chunk holds a document start)."""
-    C = g.shape[0]
+    C = g_CK.shape[0]
     t, u = _iota(C)
-    alpha = jnp.where(first > 0, jnp.exp(dots.exact(dots.mask(u <= t), g)), 0.0)
-    omega = jnp.where(last > 0, jnp.exp(dots.exact(dots.mask(u > t), g)), 0.0)
-    is_last = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0) == C - 1
-    keep = jnp.sum(jnp.where(is_last, first, 0.0), axis=0, keepdims=True)  # [1, 1]
-    lam = jnp.exp(dots.exact(g, dots.ones((C, V)), ta=True)) * keep
-    return alpha, omega, lam
+    alpha_CK = jnp.where(first_C1 > 0, jnp.exp(dots.exact(dots.mask(u <= t), g_CK)), 0.0)
+    omega_CK = jnp.where(last_C1 > 0, jnp.exp(dots.exact(dots.mask(u > t), g_CK)), 0.0)
+    is_last_C1 = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0) == C - 1
+    keep_11 = jnp.sum(jnp.where(is_last_C1, first_C1, 0.0), axis=0, keepdims=True)
+    lam_KV = jnp.exp(dots.exact(g_CK, dots.ones((C, V)), ta=True)) * keep_11
+    return alpha_CK, omega_CK, lam_KV
 
 
-def intra(q, k, g, beta, same, scale, dots):
+def intra(q_CK, k_CK, g_CK, beta_C1, same_CC, scale, dots):
     """Aqk (scaled, j <= i), Akk0 (j < i, without beta), both masked to the same document, and
     T = (I + diag(beta) Akk0)^-1, all [C, C]."""
-    C = q.shape[0]
+    C = q_CK.shape[0]
     i, j = _iota(C)
-    qk = jnp.sum(q.astype(dots.acc) * k.astype(dots.acc), axis=1, keepdims=True)
-    Aqk = jnp.where(i == j, scale * qk, 0.0)
-    zero = jnp.zeros_like(Aqk)  # (like q: under shard_map the loop carries vary as q does)
-    T = jnp.where(i == j, 1.0, zero)
+    qk_C1 = jnp.sum(q_CK.astype(dots.acc) * k_CK.astype(dots.acc), axis=1, keepdims=True)
+    Aqk_CC = jnp.where(i == j, scale * qk_C1, 0.0)
+    zero_CC = jnp.zeros_like(Aqk_CC)  # (like q: under shard_map the loop carries vary as q does)
+    T_CC = jnp.where(i == j, 1.0, zero_CC)
 
     def level(l, carry):
-        Aqk, Akk0, T = carry
-        e = level_exp(g, l, dots)
-        qe, ke = q * e, k * e
-        m = level_mask(C, l) & same
-        A = jnp.where(m, dots.mid(ke, ke, tb=True), 0.0)
-        T = T - dots.mid(dots.mid(T, beta * A), T)
-        return Aqk + jnp.where(m, scale * dots.mid(qe, ke, tb=True), 0.0), Akk0 + A, T
+        Aqk_CC, Akk0_CC, T_CC = carry
+        e_CK = level_exp(g_CK, l, dots)
+        qe_CK, ke_CK = q_CK * e_CK, k_CK * e_CK
+        m_CC = level_mask(C, l) & same_CC
+        A_CC = jnp.where(m_CC, dots.mid(ke_CK, ke_CK, tb=True), 0.0)
+        T_CC = T_CC - dots.mid(dots.mid(T_CC, beta_C1 * A_CC), T_CC)
+        return Aqk_CC + jnp.where(m_CC, scale * dots.mid(qe_CK, ke_CK, tb=True), 0.0), Akk0_CC + A_CC, T_CC
 
-    Aqk, Akk0, T = jax.lax.fori_loop(0, len(levels(C)), level, (Aqk, zero, T))
-    return Aqk, Akk0, T
+    Aqk_CC, Akk0_CC, T_CC = jax.lax.fori_loop(0, len(levels(C)), level, (Aqk_CC, zero_CC, T_CC))
+    return Aqk_CC, Akk0_CC, T_CC
 
 
-def prologue(q, k, v, g, beta, doc_col, doc_row, first, last, scale, dots):
+def prologue(q_CK, k_CK, v_CV, g_CK, beta_C1, doc_C1, doc_1C, first_C1, last_C1, scale, dots):
     """Everything of a chunk that does not need the state: a dict of same, Aqk, Akk0, T, alpha, omega, lam, U, W."""
-    same = doc_col == doc_row
-    Aqk, Akk0, T = intra(q, k, g, beta, same, scale, dots)
-    alpha, omega, lam = decays(g, first, last, v.shape[1], dots)
-    U = dots.data(T, beta * v)
-    W = dots.data(T, beta * k * alpha)
-    return dict(same=same, Aqk=Aqk, Akk0=Akk0, T=T, alpha=alpha, omega=omega, lam=lam, U=U, W=W)
+    same_CC = doc_C1 == doc_1C
+    Aqk_CC, Akk0_CC, T_CC = intra(q_CK, k_CK, g_CK, beta_C1, same_CC, scale, dots)
+    alpha_CK, omega_CK, lam_KV = decays(g_CK, first_C1, last_C1, v_CV.shape[1], dots)
+    U_CV = dots.data(T_CC, beta_C1 * v_CV)
+    W_CK = dots.data(T_CC, beta_C1 * k_CK * alpha_CK)
+    return dict(same=same_CC, Aqk=Aqk_CC, Akk0=Akk0_CC, T=T_CC, alpha=alpha_CK, omega=omega_CK, lam=lam_KV, U=U_CV,
+                W=W_CK)
 
 
-def state_step(S, kw, U, W, lam, dots):
+def state_step(S_KV, kw_CK, U_CV, W_CK, lam_KV, dots):
     """(delta [C, V], state leaving the chunk [K, V]) from the state entering it; kw = k * omega."""
-    delta = U - dots.data(W, S)
-    return delta, lam * S + dots.data(kw, delta, ta=True)
+    delta_CV = U_CV - dots.data(W_CK, S_KV)
+    return delta_CV, lam_KV * S_KV + dots.data(kw_CK, delta_CV, ta=True)
 
 
-def output(q, alpha, Aqk, S, delta, scale, dots):
+def output(q_CK, alpha_CK, Aqk_CC, S_KV, delta_CV, scale, dots):
     """o [C, V] from the state entering the chunk and delta."""
-    return scale * dots.data(q * alpha, S) + dots.data(Aqk, delta)
+    return scale * dots.data(q_CK * alpha_CK, S_KV) + dots.data(Aqk_CC, delta_CV)
 
 
-def forward(q, k, v, g, beta, doc_col, doc_row, first, last, S, scale, dots):
+def forward(q_CK, k_CK, v_CV, g_CK, beta_C1, doc_C1, doc_1C, first_C1, last_C1, S_KV, scale, dots):
     """One chunk: (o [C, V], state leaving the chunk [K, V]), in the accumulation dtype."""
-    p = prologue(q, k, v, g, beta, doc_col, doc_row, first, last, scale, dots)
-    delta, S_out = state_step(S, k * p["omega"], p["U"], p["W"], p["lam"], dots)
-    return output(q, p["alpha"], p["Aqk"], S, delta, scale, dots), S_out
+    p = prologue(q_CK, k_CK, v_CV, g_CK, beta_C1, doc_C1, doc_1C, first_C1, last_C1, scale, dots)
+    delta_CV, S_out_KV = state_step(S_KV, k_CK * p["omega"], p["U"], p["W"], p["lam"], dots)
+    return output(q_CK, p["alpha"], p["Aqk"], S_KV, delta_CV, scale, dots), S_out_KV
 
 
-def backward(q, k, v, g, beta, doc_col, doc_row, first, last, S, G, do, scale, dots, pre=None):
+def backward(q_CK, k_CK, v_CV, g_CK, beta_C1, doc_C1, doc_1C, first_C1, last_C1, S_KV, G_KV, do_CV, scale, dots,
+             pre=None):
     """One chunk, given the state entering it (S) and dL/d(state leaving it) (G): dq, dk [C, K], dv [C, V],
     dg [C, K], dbeta [C, 1] and dL/d(state entering it) [K, V]. pre: this chunk's prologue if already computed."""
-    C = q.shape[0]
-    p = prologue(q, k, v, g, beta, doc_col, doc_row, first, last, scale, dots) if pre is None else pre
-    same, Aqk, Akk0, T, alpha, omega, lam = (p[n] for n in ("same", "Aqk", "Akk0", "T", "alpha", "omega", "lam"))
-    q, k, v, do = (x.astype(dots.acc) for x in (q, k, v, do))
+    C = q_CK.shape[0]
+    p = (prologue(q_CK, k_CK, v_CV, g_CK, beta_C1, doc_C1, doc_1C, first_C1, last_C1, scale, dots) if pre is None
+         else pre)
+    same_CC, Aqk_CC, Akk0_CC, T_CC, alpha_CK, omega_CK, lam_KV = (
+        p[n] for n in ("same", "Aqk", "Akk0", "T", "alpha", "omega", "lam"))
+    q_CK, k_CK, v_CV, do_CV = (x.astype(dots.acc) for x in (q_CK, k_CK, v_CV, do_CV))
     i, j = _iota(C)
-    qa, ka, kw = q * alpha, k * alpha, k * omega
-    delta = p["U"] - dots.data(p["W"], S)
-    ddelta = dots.data(Aqk, do, ta=True) + dots.data(kw, G)
-    dAqk = jnp.where((i >= j) & same, scale * dots.data(do, delta, tb=True), 0.0)
-    dqa = scale * dots.data(do, S, tb=True)
-    dkw = dots.data(delta, G, tb=True)
-    dr = dots.data(T, ddelta, ta=True)
-    dAkk = jnp.where((i > j) & same, -dots.data(dr, delta, tb=True), 0.0)
-    rv = v - dots.data(ka, S)
-    dbeta = jnp.sum(dr * rv, axis=1, keepdims=True) + jnp.sum(dAkk * Akk0, axis=1, keepdims=True)
-    drb = beta * dr
-    dka = -dots.data(drb, S, tb=True)
-    dAkk = beta * dAkk  # cotangent of the beta-free pair products
-    diag = jnp.sum(jnp.where(i == j, dAqk, 0.0), axis=1, keepdims=True)
-    dq = diag * k + alpha * dqa
-    dk = diag * q + alpha * dka + omega * dkw
-    db = qa * dqa + ka * dka - kw * dkw
+    qa_CK, ka_CK, kw_CK = q_CK * alpha_CK, k_CK * alpha_CK, k_CK * omega_CK
+    delta_CV = p["U"] - dots.data(p["W"], S_KV)
+    ddelta_CV = dots.data(Aqk_CC, do_CV, ta=True) + dots.data(kw_CK, G_KV)
+    dAqk_CC = jnp.where((i >= j) & same_CC, scale * dots.data(do_CV, delta_CV, tb=True), 0.0)
+    dqa_CK = scale * dots.data(do_CV, S_KV, tb=True)
+    dkw_CK = dots.data(delta_CV, G_KV, tb=True)
+    dr_CV = dots.data(T_CC, ddelta_CV, ta=True)
+    dAkk_CC = jnp.where((i > j) & same_CC, -dots.data(dr_CV, delta_CV, tb=True), 0.0)
+    rv_CV = v_CV - dots.data(ka_CK, S_KV)
+    dbeta_C1 = jnp.sum(dr_CV * rv_CV, axis=1, keepdims=True) + jnp.sum(dAkk_CC * Akk0_CC, axis=1, keepdims=True)
+    drb_CV = beta_C1 * dr_CV
+    dka_CK = -dots.data(drb_CV, S_KV, tb=True)
+    dAkk_CC = beta_C1 * dAkk_CC  # cotangent of the beta-free pair products
+    diag_C1 = jnp.sum(jnp.where(i == j, dAqk_CC, 0.0), axis=1, keepdims=True)
+    dq_CK = diag_C1 * k_CK + alpha_CK * dqa_CK
+    dk_CK = diag_C1 * q_CK + alpha_CK * dka_CK + omega_CK * dkw_CK
+    db_CK = qa_CK * dqa_CK + ka_CK * dka_CK - kw_CK * dkw_CK
 
     def level(l, carry):
-        dq, dk, db = carry
-        e = level_exp(g, l, dots)
-        qe, ke = q * e, k * e
-        m = level_mask(C, l)
-        Dq, Dk = jnp.where(m, dAqk, 0.0), jnp.where(m, dAkk, 0.0)
-        dq_l = e * dots.mid(Dq, ke)
-        dk_row = e * dots.mid(Dk, ke)
-        dk_col = e * (dots.mid(Dq, qe, ta=True) + dots.mid(Dk, ke, ta=True))
-        return dq + dq_l, dk + dk_row + dk_col, db + q * dq_l + k * dk_row - k * dk_col
+        dq_CK, dk_CK, db_CK = carry
+        e_CK = level_exp(g_CK, l, dots)
+        qe_CK, ke_CK = q_CK * e_CK, k_CK * e_CK
+        m_CC = level_mask(C, l)
+        Dq_CC, Dk_CC = jnp.where(m_CC, dAqk_CC, 0.0), jnp.where(m_CC, dAkk_CC, 0.0)
+        dq_l_CK = e_CK * dots.mid(Dq_CC, ke_CK)
+        dk_row_CK = e_CK * dots.mid(Dk_CC, ke_CK)
+        dk_col_CK = e_CK * (dots.mid(Dq_CC, qe_CK, ta=True) + dots.mid(Dk_CC, ke_CK, ta=True))
+        return (dq_CK + dq_l_CK, dk_CK + dk_row_CK + dk_col_CK,
+                db_CK + q_CK * dq_l_CK + k_CK * dk_row_CK - k_CK * dk_col_CK)
 
-    dq, dk, db = jax.lax.fori_loop(0, len(levels(C)), level, (dq, dk, db))
+    dq_CK, dk_CK, db_CK = jax.lax.fori_loop(0, len(levels(C)), level, (dq_CK, dk_CK, db_CK))
     t, u = _iota(C)
     # dg_t = sum_{i >= t} db_i, where db at the last token also gets sum_j kw_j dkw_j and lam * sum_v S G.
-    dg = (dots.exact(dots.mask(u >= t), db) + dots.exact(dots.ones((C, C)), kw * dkw)
-          + dots.exact(dots.ones((C, G.shape[1])), lam * S * G, tb=True))
-    G_in = lam * G + scale * dots.data(qa, do, ta=True) - dots.data(ka, drb, ta=True)
-    return dq, dk, drb, dg, dbeta, G_in
+    dg_CK = (dots.exact(dots.mask(u >= t), db_CK) + dots.exact(dots.ones((C, C)), kw_CK * dkw_CK)
+             + dots.exact(dots.ones((C, G_KV.shape[1])), lam_KV * S_KV * G_KV, tb=True))
+    G_in_KV = lam_KV * G_KV + scale * dots.data(qa_CK, do_CV, ta=True) - dots.data(ka_CK, drb_CV, ta=True)
+    return dq_CK, dk_CK, drb_CV, dg_CK, dbeta_C1, G_in_KV

@@ -11,6 +11,8 @@ The backward recomputes the chunk states with a forward scan, sweeps dL/d(state)
 second scan (G_in = lam G + scale (q alpha)^T do - W^T (Aqk^T do) - W^T ((k omega) G)), and then
 takes every chunk's gradients in parallel. Chunk states [B, H, N, K, V] are the only per-chunk
 tensors kept; nothing per token is kept from the forward.
+Axes in names: B batch, H heads, T time (padded), N chunks, C chunk size, K key dim, V value dim,
+D either head dim.
 """
 
 import jax
@@ -21,15 +23,15 @@ from ling2.kernels import kda_chunk_math as chunk
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _per_chunk(q, k, v, g, beta, aux, C, *extra):
+def _per_chunk(q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT, aux, C, *extra):
     """Chunked views [B, H, N, C, D] (beta, doc, first, last as columns [.., C, 1], doc also as rows [.., 1, C])."""
-    B, H, T = beta.shape
+    B, H, T = beta_BHT.shape
     N = T // C
-    ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
-    doc = jnp.broadcast_to(aux["doc"], (B, H, T)).reshape(B, H, N, C)
+    ch = lambda x_BHTD: x_BHTD.reshape(B, H, N, C, x_BHTD.shape[-1])
+    doc_BHNC = jnp.broadcast_to(aux["doc"], (B, H, T)).reshape(B, H, N, C)
     col = lambda x: jnp.broadcast_to(x, (B, H, T)).reshape(B, H, N, C, 1)
-    return (ch(q), ch(k), ch(v), ch(g), col(beta), doc[..., None], doc[..., None, :], col(aux["first"]),
-            col(aux["last"])) + tuple(ch(x) for x in extra)
+    return (ch(q_BHTK), ch(k_BHTK), ch(v_BHTV), ch(g_BHTK), col(beta_BHT), doc_BHNC[..., None], doc_BHNC[..., None, :],
+            col(aux["first"]), col(aux["last"])) + tuple(ch(x) for x in extra)
 
 
 def _vmap3(f):
@@ -41,18 +43,19 @@ def _prologue(chunks, scale, dots):
 
 
 def _lead(x):
+    """[B, H, N, ...] -> [N, B, H, ...]."""
     return jnp.moveaxis(x, 2, 0)
 
 
-def _states(kw, p, h0, dots):
+def _states(kw_BHNCK, p, h0_BHKV, dots):
     """States entering each chunk [B, H, N, K, V] and the final state [B, H, K, V]."""
     step1 = jax.vmap(jax.vmap(lambda S, kw, U, W, lam: chunk.state_step(S, kw, U, W, lam, dots)[1]))
 
-    def step(S, xs):
-        return step1(S, *xs), S
+    def step(S_BHKV, xs):
+        return step1(S_BHKV, *xs), S_BHKV
 
-    hT, S_in = jax.lax.scan(step, h0, tuple(_lead(x) for x in (kw, p["U"], p["W"], p["lam"])))
-    return jnp.moveaxis(S_in, 0, 2), hT
+    hT_BHKV, S_NBHKV = jax.lax.scan(step, h0_BHKV, tuple(_lead(x) for x in (kw_BHNCK, p["U"], p["W"], p["lam"])))
+    return jnp.moveaxis(S_NBHKV, 0, 2), hT_BHKV
 
 
 def forward(q, k, v, g, beta, aux, h0, scale, C):
@@ -60,11 +63,11 @@ def forward(q, k, v, g, beta, aux, h0, scale, C):
     dots = chunk.Dots(h0.dtype)
     chunks = _per_chunk(*(x.astype(h0.dtype) for x in (q, k, v, g, beta)), aux, C)
     p = _prologue(chunks, scale, dots)
-    qc, kc = chunks[:2]
-    S, hT = _states(kc * p["omega"], p, h0, dots)
+    q_BHNCK, k_BHNCK = chunks[:2]
+    S_BHNKV, hT_BHKV = _states(k_BHNCK * p["omega"], p, h0, dots)
     out = lambda q, alpha, Aqk, S, U, W: chunk.output(q, alpha, Aqk, S, U - dots.data(W, S), scale, dots)
-    o = _vmap3(out)(qc, p["alpha"], p["Aqk"], S, p["U"], p["W"])
-    return o.reshape(v.shape), hT
+    o_BHNCV = _vmap3(out)(q_BHNCK, p["alpha"], p["Aqk"], S_BHNKV, p["U"], p["W"])
+    return o_BHNCV.reshape(v.shape), hT_BHKV
 
 
 def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C):
@@ -73,24 +76,25 @@ def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C):
     dots = chunk.Dots(acc)
     chunks = _per_chunk(*(x.astype(acc) for x in (q, k, v, g, beta)), aux, C, do.astype(acc))
     p = _prologue(chunks[:-1], scale, dots)
-    qc, kc, doc_ = chunks[0], chunks[1], chunks[-1]
-    kw = kc * p["omega"]
-    S, _ = _states(kw, p, h0, dots)
+    q_BHNCK, k_BHNCK, do_BHNCV = chunks[0], chunks[1], chunks[-1]
+    kw_BHNCK = k_BHNCK * p["omega"]
+    S_BHNKV, _ = _states(kw_BHNCK, p, h0, dots)
 
     ein = lambda spec, *xs: jnp.einsum(spec, *xs, precision=_HI)
-    Vc = scale * ein("...ck,...cv->...kv", qc * p["alpha"], doc_) - ein(
-        "...ck,...ic,...iv->...kv", p["W"], p["Aqk"], doc_)
+    V_BHNKV = scale * ein("...ck,...cv->...kv", q_BHNCK * p["alpha"], do_BHNCV) - ein(
+        "...ck,...ic,...iv->...kv", p["W"], p["Aqk"], do_BHNCV)
 
-    def step(G, xs):  # reverse sweep: G = dL/d(state leaving chunk c)
-        kw_c, W_c, lam_c, V_c = xs
-        G_in = lam_c * G - ein("bhck,bhcv->bhkv", W_c, ein("bhck,bhkv->bhcv", kw_c, G)) + V_c
-        return G_in, G
+    def step(G_BHKV, xs):  # reverse sweep: G = dL/d(state leaving chunk c)
+        kw_BHCK, W_BHCK, lam_BHKV, V_BHKV = xs
+        G_in_BHKV = (lam_BHKV * G_BHKV - ein("bhck,bhcv->bhkv", W_BHCK, ein("bhck,bhkv->bhcv", kw_BHCK, G_BHKV))
+                     + V_BHKV)
+        return G_in_BHKV, G_BHKV
 
-    dh0, G = jax.lax.scan(step, dhT.astype(acc), (_lead(kw), _lead(p["W"]), _lead(p["lam"]), _lead(Vc)),
-                          reverse=True)
-    G = jnp.moveaxis(G, 0, 2)  # [B, H, N, K, V]
+    dh0_BHKV, G_NBHKV = jax.lax.scan(
+        step, dhT.astype(acc), (_lead(kw_BHNCK), _lead(p["W"]), _lead(p["lam"]), _lead(V_BHNKV)), reverse=True)
+    G_BHNKV = jnp.moveaxis(G_NBHKV, 0, 2)
     grads = _vmap3(lambda *a: chunk.backward(*a[:9], a[10], a[11], a[9], scale, dots, pre=a[12]))
-    dq, dk, dv, dg, dbeta, _ = grads(*chunks, S, G, p)
+    dq_BHNCK, dk_BHNCK, dv_BHNCV, dg_BHNCK, dbeta_BHNC1, _ = grads(*chunks, S_BHNKV, G_BHNKV, p)
     B, H, T = beta.shape
-    return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dg.reshape(g.shape),
-            dbeta.reshape(B, H, T), dh0)
+    return (dq_BHNCK.reshape(q.shape), dk_BHNCK.reshape(k.shape), dv_BHNCV.reshape(v.shape),
+            dg_BHNCK.reshape(g.shape), dbeta_BHNC1.reshape(B, H, T), dh0_BHKV)

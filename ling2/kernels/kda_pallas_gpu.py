@@ -12,6 +12,10 @@ recomputed by every V block. Per-chunk math in kda_chunk_math.
 Per-token scalars (beta, doc, first, last) are [.., T] fp32 vectors. Triton needs power-of-two
 block shapes: K and V are zero-padded up to one (exact: padded key dims have k = 0, g = 0) and
 the chunk size is a power of two >= 16.
+Kernel refs hold one head's whole sequence: q, k, g and their gradients [T, K]; v, do, o, dv
+[T, BLOCK_V]; b (beta), doc, f (first), l (last), db [T]; the states [K, BLOCK_V] (Sin: [N, K, BLOCK_V]).
+Axes in names: B batch, H heads, T time (padded), N chunks, C chunk size, K key dim, V value dim
+(or a block of it), P V blocks (per-block partial sums).
 """
 
 import functools
@@ -34,26 +38,26 @@ def _load(refs, n, C):
     """Chunk n of the [T, D] refs and of the [T] vectors (as columns, plus the document row)."""
     s = pl.ds(pl.multiple_of(n * C, C), C)
     mats, (b_ref, doc_ref, f_ref, l_ref) = refs[:-4], refs[-4:]
-    doc = doc_ref[s]
-    cols = (b_ref[s][:, None], doc[:, None], doc[None, :], f_ref[s][:, None], l_ref[s][:, None])
+    doc_C = doc_ref[s]
+    cols = (b_ref[s][:, None], doc_C[:, None], doc_C[None, :], f_ref[s][:, None], l_ref[s][:, None])
     return s, [r[s, :] for r in mats], cols
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, doc_ref, f_ref, l_ref, h0_ref, o_ref, hT_ref, *, scale, C, dt):
-    def body(n, S):
-        s, (q, k, v, g), cols = _load((q_ref, k_ref, v_ref, g_ref, b_ref, doc_ref, f_ref, l_ref), n, C)
-        o, S = chunk.forward(q, k, v, g, *cols, S, scale, _dots(dt))
-        o_ref[s, :] = o.astype(o_ref.dtype)
-        return S
+    def body(n, S_KV):
+        s, (q_CK, k_CK, v_CV, g_CK), cols = _load((q_ref, k_ref, v_ref, g_ref, b_ref, doc_ref, f_ref, l_ref), n, C)
+        o_CV, S_KV = chunk.forward(q_CK, k_CK, v_CV, g_CK, *cols, S_KV, scale, _dots(dt))
+        o_ref[s, :] = o_CV.astype(o_ref.dtype)
+        return S_KV
 
     hT_ref[...] = jax.lax.fori_loop(0, q_ref.shape[0] // C, body, h0_ref[...])
 
 
 def _states_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, doc_ref, f_ref, l_ref, h0_ref, Sin_ref, *, scale, C, dt):
-    def body(n, S):
-        _, (q, k, v, g), cols = _load((q_ref, k_ref, v_ref, g_ref, b_ref, doc_ref, f_ref, l_ref), n, C)
-        Sin_ref[n] = S
-        return chunk.forward(q, k, v, g, *cols, S, scale, _dots(dt))[1]
+    def body(n, S_KV):
+        _, (q_CK, k_CK, v_CV, g_CK), cols = _load((q_ref, k_ref, v_ref, g_ref, b_ref, doc_ref, f_ref, l_ref), n, C)
+        Sin_ref[n] = S_KV
+        return chunk.forward(q_CK, k_CK, v_CV, g_CK, *cols, S_KV, scale, _dots(dt))[1]
 
     jax.lax.fori_loop(0, q_ref.shape[0] // C, body, h0_ref[...])
 
@@ -62,13 +66,15 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, b_ref, doc_ref, f_ref, l_ref
                 dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, *, scale, C, dt):
     N = q_ref.shape[0] // C
 
-    def body(r, G):
+    def body(r, G_KV):
         n = N - 1 - r
-        s, (q, k, v, g, do), cols = _load((q_ref, k_ref, v_ref, g_ref, do_ref, b_ref, doc_ref, f_ref, l_ref), n, C)
-        dq, dk, dv, dg, dbeta, G = chunk.backward(q, k, v, g, *cols, Sin_ref[n], G, do, scale, _dots(dt))
-        dq_ref[s, :], dk_ref[s, :], dv_ref[s, :], dg_ref[s, :] = dq, dk, dv, dg
-        db_ref[s] = dbeta[:, 0]
-        return G
+        refs = (q_ref, k_ref, v_ref, g_ref, do_ref, b_ref, doc_ref, f_ref, l_ref)
+        s, (q_CK, k_CK, v_CV, g_CK, do_CV), cols = _load(refs, n, C)
+        dq_CK, dk_CK, dv_CV, dg_CK, dbeta_C1, G_KV = chunk.backward(q_CK, k_CK, v_CV, g_CK, *cols, Sin_ref[n], G_KV,
+                                                                    do_CV, scale, _dots(dt))
+        dq_ref[s, :], dk_ref[s, :], dv_ref[s, :], dg_ref[s, :] = dq_CK, dk_CK, dv_CV, dg_CK
+        db_ref[s] = dbeta_C1[:, 0]
+        return G_KV
 
     dh0_ref[...] = jax.lax.fori_loop(0, N, body, dhT_ref[...])
 
@@ -131,9 +137,9 @@ def forward(q, k, v, g, beta, aux, h0, scale, C, *, interpret=False, block_v=Non
     qkvg, bt, docs, K, V, BV = _common(q, k, v, g, beta, aux, block_v)
     outs = [jax.ShapeDtypeStruct((B, H, T, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)]
     kinds = ("full", "full", "v", "full", "full", "doc", "doc", "doc", "v", "v", "v")
-    o, hT = _call(functools.partial(_fwd_kernel, scale=scale, C=C, dt=q.dtype),
-                  qkvg + bt + docs + (_pad_state(h0, K, V),), outs, kinds, BV, interpret)
-    return o[..., :V0], hT[:, :, :K0, :V0].astype(h0.dtype)
+    o_BHTV, hT_BHKV = _call(functools.partial(_fwd_kernel, scale=scale, C=C, dt=q.dtype),
+                            qkvg + bt + docs + (_pad_state(h0, K, V),), outs, kinds, BV, interpret)
+    return o_BHTV[..., :V0], hT_BHKV[:, :, :K0, :V0].astype(h0.dtype)
 
 
 def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C, *, interpret=False, block_v=None):
@@ -144,16 +150,17 @@ def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C, *, interpret=False, b
     f32 = jnp.float32
     qkvg, bt, docs, K, V, BV = _common(q, k, v, g, beta, aux, block_v)
     NV = V // BV
-    S_in = _call(functools.partial(_states_kernel, scale=scale, C=C, dt=q.dtype),
-                 qkvg + bt + docs + (_pad_state(h0, K, V),), [jax.ShapeDtypeStruct((B, H, N, K, V), f32)],
-                 ("full", "full", "v", "full", "full", "doc", "doc", "doc", "v", "v"), BV, interpret)[0]
+    S_BHNKV = _call(functools.partial(_states_kernel, scale=scale, C=C, dt=q.dtype),
+                    qkvg + bt + docs + (_pad_state(h0, K, V),), [jax.ShapeDtypeStruct((B, H, N, K, V), f32)],
+                    ("full", "full", "v", "full", "full", "doc", "doc", "doc", "v", "v"), BV, interpret)[0]
     part = lambda *shape: jax.ShapeDtypeStruct((NV, B, H) + shape, f32)
-    dq, dk, dv, dg, dbeta, dh0 = _call(
+    dq_PBHTK, dk_PBHTK, dv_BHTV, dg_PBHTK, dbeta_PBHT, dh0_BHKV = _call(
         functools.partial(_bwd_kernel, scale=scale, C=C, dt=q.dtype),
-        qkvg + (_pad_last(do, V),) + bt + docs + (S_in, _pad_state(dhT, K, V)),
+        qkvg + (_pad_last(do, V),) + bt + docs + (S_BHNKV, _pad_state(dhT, K, V)),
         [part(T, K), part(T, K), jax.ShapeDtypeStruct((B, H, T, V), f32), part(T, K), part(T),
          jax.ShapeDtypeStruct((B, H, K, V), f32)],
         ("full", "full", "v", "full", "v", "full", "doc", "doc", "doc", "v", "v",
          "part", "part", "v", "part", "part", "v"), BV, interpret)
-    dq, dk, dg, dbeta = (x.sum(0) for x in (dq, dk, dg, dbeta))
-    return dq[..., :K0], dk[..., :K0], dv[..., :V0], dg[..., :K0], dbeta, dh0[:, :, :K0, :V0]
+    dq_BHTK, dk_BHTK, dg_BHTK, dbeta_BHT = (x.sum(0) for x in (dq_PBHTK, dk_PBHTK, dg_PBHTK, dbeta_PBHT))
+    return (dq_BHTK[..., :K0], dk_BHTK[..., :K0], dv_BHTV[..., :V0], dg_BHTK[..., :K0], dbeta_BHT,
+            dh0_BHKV[:, :, :K0, :V0])

@@ -10,6 +10,9 @@ kda_chunk_math.
            chunk's intra quantities and writes dq, dk, dv, dg, dbeta and d(initial state).
 Per-token scalars come as columns [.., T, 1] (beta, doc, first, last) and the document index
 also as rows [B, 1, N, 1, C], so the kernels need no lane slicing or transposes of vectors.
+Kernel refs hold one chunk of one head: q, k, g and their gradients [C, K]; v, do, o, dv [C, V];
+b (beta), dc (doc), f (first), l (last), db [C, 1]; dr (doc row) [1, C]; the states [K, V].
+Axes in names: B batch, H heads, T time (padded), N chunks, C chunk size, K key dim, V value dim.
 """
 
 import functools
@@ -34,14 +37,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dc_ref, dr_ref, f_ref, l_ref,
     def _():
         S_ref[...] = h0_ref[...]
 
-    o, S = chunk.forward(*_load((q_ref, k_ref, v_ref, g_ref, b_ref, dc_ref, dr_ref, f_ref, l_ref, S_ref)), scale,
-                         chunk.Dots(dt))
-    o_ref[...] = o.astype(o_ref.dtype)
-    S_ref[...] = S
+    o_CV, S_KV = chunk.forward(*_load((q_ref, k_ref, v_ref, g_ref, b_ref, dc_ref, dr_ref, f_ref, l_ref, S_ref)),
+                               scale, chunk.Dots(dt))
+    o_ref[...] = o_CV.astype(o_ref.dtype)
+    S_ref[...] = S_KV
 
     @pl.when(n == pl.num_programs(2) - 1)
     def _():
-        hT_ref[...] = S
+        hT_ref[...] = S_KV
 
 
 def _states_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dc_ref, dr_ref, f_ref, l_ref, h0_ref, Sin_ref, S_ref, *, scale,
@@ -50,10 +53,10 @@ def _states_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dc_ref, dr_ref, f_ref, l_r
     def _():
         S_ref[...] = h0_ref[...]
 
-    S = S_ref[...]
-    Sin_ref[...] = S
-    _, S_ref[...] = chunk.forward(*_load((q_ref, k_ref, v_ref, g_ref, b_ref, dc_ref, dr_ref, f_ref, l_ref)), S, scale,
-                                  chunk.Dots(dt))
+    S_KV = S_ref[...]
+    Sin_ref[...] = S_KV
+    _, S_ref[...] = chunk.forward(*_load((q_ref, k_ref, v_ref, g_ref, b_ref, dc_ref, dr_ref, f_ref, l_ref)), S_KV,
+                                  scale, chunk.Dots(dt))
 
 
 def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dc_ref, dr_ref, f_ref, l_ref, Sin_ref, do_ref, dhT_ref,
@@ -65,21 +68,21 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, dc_ref, dr_ref, f_ref, l_ref,
         G_ref[...] = dhT_ref[...]
 
     ins = _load((q_ref, k_ref, v_ref, g_ref, b_ref, dc_ref, dr_ref, f_ref, l_ref, Sin_ref))
-    dq, dk, dv, dg, dbeta, G = chunk.backward(*ins, G_ref[...], do_ref[...], scale, chunk.Dots(dt))
-    dq_ref[...], dk_ref[...], dv_ref[...], dg_ref[...], db_ref[...] = dq, dk, dv, dg, dbeta
-    G_ref[...] = G
+    dq_CK, dk_CK, dv_CV, dg_CK, dbeta_C1, G_KV = chunk.backward(*ins, G_ref[...], do_ref[...], scale, chunk.Dots(dt))
+    dq_ref[...], dk_ref[...], dv_ref[...], dg_ref[...], db_ref[...] = dq_CK, dk_CK, dv_CV, dg_CK, dbeta_C1
+    G_ref[...] = G_KV
 
     @pl.when(n == pl.num_programs(2) - 1)
     def _():
-        dh0_ref[...] = G
+        dh0_ref[...] = G_KV
 
 
-def _aux_args(beta, aux, C):
+def _aux_args(beta_BHT, aux, C):
     """beta [B, H, T, 1]; doc, first, last columns [B, 1, T, 1]; doc rows [B, 1, N, 1, C]; all fp32."""
     B, _, T = aux["doc"].shape
     f32 = jnp.float32
     col = lambda x: x.astype(f32)[..., None]
-    return (col(beta), col(aux["doc"]), aux["doc"].astype(f32).reshape(B, 1, T // C, 1, C), col(aux["first"]),
+    return (col(beta_BHT), col(aux["doc"]), aux["doc"].astype(f32).reshape(B, 1, T // C, 1, C), col(aux["first"]),
             col(aux["last"]))
 
 
@@ -113,13 +116,13 @@ def forward(q, k, v, g, beta, aux, h0, scale, C, *, interpret=False):
     V = v.shape[-1]
     f32 = jnp.float32
     tok, ins, _, state = _specs(C, K, V, T // C)
-    o, hT = _call(
+    o_BHTV, hT_BHKV = _call(
         functools.partial(_fwd_kernel, scale=scale, dt=q.dtype),
         (q, k, v, g.astype(f32), *_aux_args(beta, aux, C), h0.astype(f32)),
         ins + [state], [tok(V), state],
         [jax.ShapeDtypeStruct((B, H, T, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), f32)],
         (B, H, T // C), K, V, interpret)
-    return o, hT.astype(h0.dtype)
+    return o_BHTV, hT_BHKV.astype(h0.dtype)
 
 
 def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C, *, interpret=False):
@@ -128,16 +131,16 @@ def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C, *, interpret=False):
     f32 = jnp.float32
     args = (q, k, v, g.astype(f32), *_aux_args(beta, aux, C))
     _, ins, per_chunk, state = _specs(C, K, V, N)
-    S_in = _call(functools.partial(_states_kernel, scale=scale, dt=q.dtype), args + (h0.astype(f32),),
-                 ins + [state], per_chunk, jax.ShapeDtypeStruct((B, H, N, K, V), f32), (B, H, N), K, V, interpret)
+    S_BHNKV = _call(functools.partial(_states_kernel, scale=scale, dt=q.dtype), args + (h0.astype(f32),),
+                    ins + [state], per_chunk, jax.ShapeDtypeStruct((B, H, N, K, V), f32), (B, H, N), K, V, interpret)
     tok, ins, per_chunk, state = _specs(C, K, V, N, reverse=True)
-    dq, dk, dv, dg, dbeta, dh0 = _call(
+    dq_BHTK, dk_BHTK, dv_BHTV, dg_BHTK, dbeta_BHT1, dh0_BHKV = _call(
         functools.partial(_bwd_kernel, scale=scale, dt=q.dtype),
-        args + (S_in, do, dhT.astype(f32)),
+        args + (S_BHNKV, do, dhT.astype(f32)),
         ins + [per_chunk, tok(V), state],
         [tok(K), tok(K), tok(V), tok(K), tok(1), state],
         [jax.ShapeDtypeStruct((B, H, T, K), f32), jax.ShapeDtypeStruct((B, H, T, K), f32),
          jax.ShapeDtypeStruct((B, H, T, V), f32), jax.ShapeDtypeStruct((B, H, T, K), f32),
          jax.ShapeDtypeStruct((B, H, T, 1), f32), jax.ShapeDtypeStruct((B, H, K, V), f32)],
         (B, H, N), K, V, interpret)
-    return dq, dk, dv, dg, dbeta[..., 0], dh0
+    return dq_BHTK, dk_BHTK, dv_BHTV, dg_BHTK, dbeta_BHT1[..., 0], dh0_BHKV

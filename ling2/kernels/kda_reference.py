@@ -7,6 +7,7 @@ One head, per-key-dim log gate g_t <= 0, scalar beta_t, scale sigma (ling3.md fa
 Shapes: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K]; beta [B, T, H]; doc [B, T] int32
 non-decreasing document index; h0 [B, H, K, V]. The initial state belongs to the first document.
 Computes in fp32 (fp64 for fp64 inputs).
+Axes in names: B batch, T time, H heads, K key dim, V value dim.
 """
 
 import jax
@@ -20,28 +21,28 @@ def acc_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def step(S_BHKV, q_t, k_t, v_t, g_t, beta_t, reset_B, scale):
+def step(S_BHKV, q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, reset_B, scale):
     """One token: (o_t [B, H, V], new state [B, H, K, V]); all inputs already in the state's dtype."""
-    keep = jnp.where(reset_B[:, None, None], 0.0, jnp.exp(g_t))  # [B, H, K]
-    S_BHKV = keep[..., None] * S_BHKV
-    kS = jnp.einsum("bhk,bhkv->bhv", k_t, S_BHKV, precision=_HI)
-    S_BHKV = S_BHKV + k_t[..., :, None] * (beta_t[..., None] * (v_t - kS))[..., None, :]
-    o_t = scale * jnp.einsum("bhk,bhkv->bhv", q_t, S_BHKV, precision=_HI)
-    return o_t, S_BHKV
+    keep_BHK = jnp.where(reset_B[:, None, None], 0.0, jnp.exp(g_BHK))
+    S_BHKV = keep_BHK[..., None] * S_BHKV
+    kS_BHV = jnp.einsum("bhk,bhkv->bhv", k_BHK, S_BHKV, precision=_HI)
+    S_BHKV = S_BHKV + k_BHK[..., :, None] * (beta_BH[..., None] * (v_BHV - kS_BHV))[..., None, :]
+    o_BHV = scale * jnp.einsum("bhk,bhkv->bhv", q_BHK, S_BHKV, precision=_HI)
+    return o_BHV, S_BHKV
 
 
-def naive_recurrence(q, k, v, g, beta, doc, h0, scale):
+def naive_recurrence(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, doc_BT, h0_BHKV, scale):
     """lax.scan over T. Returns (o [B, T, H, V], final state [B, H, K, V]) in the accumulation dtype."""
-    acc = acc_dtype(q.dtype)
-    q, k, v, g = (x.astype(acc).swapaxes(0, 1) for x in (q, k, v, g))  # [T, B, H, D]
-    beta = beta.astype(acc).swapaxes(0, 1)  # [T, B, H]
-    new_doc = jnp.concatenate([jnp.zeros_like(doc[:, :1]), doc[:, 1:] != doc[:, :-1]], axis=1)
-    new_doc = new_doc.swapaxes(0, 1).astype(bool)  # [T, B]
+    acc = acc_dtype(q_BTHK.dtype)
+    q_TBHK, k_TBHK, v_TBHV, g_TBHK = (x.astype(acc).swapaxes(0, 1) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK))
+    beta_TBH = beta_BTH.astype(acc).swapaxes(0, 1)
+    new_doc_BT = jnp.concatenate([jnp.zeros_like(doc_BT[:, :1]), doc_BT[:, 1:] != doc_BT[:, :-1]], axis=1)
+    new_doc_TB = new_doc_BT.swapaxes(0, 1).astype(bool)
 
-    def body(S, xs):
-        q_t, k_t, v_t, g_t, beta_t, reset_t = xs
-        o_t, S = step(S, q_t, k_t, v_t, g_t, beta_t, reset_t, scale)
-        return S, o_t
+    def body(S_BHKV, xs):
+        q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, reset_B = xs
+        o_BHV, S_BHKV = step(S_BHKV, q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, reset_B, scale)
+        return S_BHKV, o_BHV
 
-    hT, o = jax.lax.scan(body, h0.astype(acc), (q, k, v, g, beta, new_doc))
-    return o.swapaxes(0, 1), hT
+    hT_BHKV, o_TBHV = jax.lax.scan(body, h0_BHKV.astype(acc), (q_TBHK, k_TBHK, v_TBHV, g_TBHK, beta_TBH, new_doc_TB))
+    return o_TBHV.swapaxes(0, 1), hT_BHKV

@@ -2,7 +2,7 @@
 
 The CE-sum function is compiled once per Evaluator (shapes are fixed by the config); each
 evaluation starts the validation iterator afresh, so every evaluation sees the same
-`eval_steps` batches.
+`eval_steps` batches. Batch arrays are [M, B, S]: micro-batches, rows, positions.
 """
 
 import jax
@@ -32,6 +32,6 @@ class Evaluator:
         for _ in range(max(self.cfg.eval_steps, 1)):
             batch = to_global(next(it), self.cfg, self.mesh)
             for m in range(batch["inputs"].shape[0]):
-                s, n = self._ce(state.params, state.rest, jax.tree.map(lambda x: x[m], batch))
+                s, n = self._ce(state.params, state.rest, jax.tree.map(lambda x_MBS: x_MBS[m], batch))
                 tot, cnt = tot + float(s), cnt + float(n)  # host sync: eval is off the step path
         return tot / max(cnt, 1.0)

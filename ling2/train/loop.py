@@ -50,8 +50,8 @@ class RunResult:
 def moe_metrics(moe: dict, k: int) -> dict:
     """Per-layer router metrics from summed counts/stats, and the worst case over layers."""
     out = {}
-    for i, counts in moe["counts"].items():
-        out[f"layer_{i}"] = router_metrics(counts, moe["stats"][i], k)
+    for i, counts_E in moe["counts"].items():
+        out[f"layer_{i}"] = router_metrics(counts_E, moe["stats"][i], k)
     if out:
         out["max_violation_max"] = max(float(v["max_violation"]) for v in out.values() if "max_violation" in v)
     return out

@@ -8,6 +8,9 @@ Normalisation (`calculate_per_token_loss`):
 Both are exact: token totals come from the batch before the forward passes, so each
 micro-batch's objective is already scaled and their gradients simply add up.
 MoE aux losses (already per-token means inside a layer) weigh 1/M per micro-batch.
+
+Axes in names: M micro-batches, B rows of a micro-batch (b above), S positions, K MTP depths,
+E experts.
 """
 
 import functools
@@ -35,16 +38,16 @@ def forward(graphdef, params, rest, mb, cfg, norms):
     if s.mtp is not None:
         mo = s.mtp
         if cfg.calculate_per_token_loss:
-            per_depth = mo.ce_sum / jnp.maximum(norms["mtp_tokens"], 1)
+            per_depth_K = mo.ce_sum / jnp.maximum(norms["mtp_tokens"], 1)
         else:
-            per_depth = mo.ce_sum / jnp.maximum(mo.ce_count, 1) / M
-        objective += cfg.mtp_loss_scaling_factor * jnp.mean(per_depth)
+            per_depth_K = mo.ce_sum / jnp.maximum(mo.ce_count, 1) / M
+        objective += cfg.mtp_loss_scaling_factor * jnp.mean(per_depth_K)
         sums.update(mtp_ce=mo.ce_sum, mtp_tokens=mo.ce_count, mtp_correct=mo.correct,
                     mtp_micro_mean=mo.ce_sum / jnp.maximum(mo.ce_count, 1) / M)
     aux_loss = sum((a.loss for a in s.moe_aux.values()), jnp.zeros((), F32))
     objective += aux_loss / M
     sums["aux_loss"] = aux_loss
-    sums["moe_counts"] = {i: a.counts.astype(F32) for i, a in s.moe_aux.items()}
+    sums["moe_counts"] = {i: a.counts.astype(F32) for i, a in s.moe_aux.items()}  # [E] per MoE layer
     sums["moe_stats"] = {i: a.stats for i, a in s.moe_aux.items()}
     return objective, sums
 
@@ -68,7 +71,7 @@ def train_step(graphdef, tx, cfg, state: TrainState, batch: dict, lr_fn):
         g, sums = grad_fn(graphdef, state.params, state.rest, mb, cfg, norms)
         return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, sums)), None
 
-    mb0 = jax.tree.map(lambda x: x[0], batch)
+    mb0 = jax.tree.map(lambda x_MBS: x_MBS[0], batch)
     sums_shape = jax.eval_shape(lambda: forward(graphdef, state.params, state.rest, mb0, cfg, norms)[1])
     zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t)
     (grads, sums), _ = jax.lax.scan(micro, (zeros(state.params), zeros(sums_shape)), batch)
@@ -103,12 +106,12 @@ def train_step(graphdef, tx, cfg, state: TrainState, batch: dict, lr_fn):
                "finite": finite.astype(F32), "tokens": sums["tokens"],
                "aux_loss": sums["aux_loss"] / M, "accuracy": sums["hits"] / jnp.maximum(sums["tokens"], 1)}
     if cfg.mtp_num_layers:
-        mtp = (sums["mtp_ce"] / jnp.maximum(sums["mtp_tokens"], 1) if cfg.calculate_per_token_loss
-               else sums["mtp_micro_mean"])
-        metrics["mtp_loss"] = {f"depth_{k + 1}": mtp[k] for k in range(cfg.mtp_num_layers)}
+        mtp_K = (sums["mtp_ce"] / jnp.maximum(sums["mtp_tokens"], 1) if cfg.calculate_per_token_loss
+                 else sums["mtp_micro_mean"])
+        metrics["mtp_loss"] = {f"depth_{k + 1}": mtp_K[k] for k in range(cfg.mtp_num_layers)}
         metrics["mtp_top1_accuracy"] = {f"depth_{k + 1}": sums["mtp_correct"][k] / jnp.maximum(sums["mtp_tokens"][k], 1)
                                      for k in range(cfg.mtp_num_layers)}
-        metrics["mtp_total"] = cfg.mtp_loss_scaling_factor * jnp.mean(mtp)
+        metrics["mtp_total"] = cfg.mtp_loss_scaling_factor * jnp.mean(mtp_K)
     metrics["moe"] = {"counts": sums["moe_counts"], "stats": sums["moe_stats"]}
     return new_state, metrics
 
