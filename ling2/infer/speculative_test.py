@@ -100,8 +100,7 @@ def test_cached_drafts_equal_teacher_forced_mtp_forward(k2):
         @nnx.jit
         def mtp_logits(model, x, tgt, posb, one):
             out = model(x, posb, one)
-            res = model.mtp(model.decoder.embed, model.decoder.lm_head, out, x, tgt, one.astype(jnp.float32), posb,
-                            one, return_logits=True)
+            res = model.mtp(model.decoder, out, x, tgt, one.astype(jnp.float32), posb, one, return_logits=True)
             return res.logits
 
         logits = [np.asarray(a) for a in mtp_logits(model, x, tgt, posb, one)]
