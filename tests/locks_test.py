@@ -102,3 +102,15 @@ def test_parser_catches_bad_locks(tmp_path):
     b.write_text("foo-bar==1.1\nbaz==2.0 \\\n    --hash=sha256:22\n")
     with pytest.raises(ValueError, match="foo-bar has no --hash"):
         parse_lock(b)
+
+
+def test_ling3_test_lock_is_the_cpu_stack_with_transformers_5(locks):
+    """The test-only Ling 3 venv (requirements_lock_ling3.txt) differs from the cpu lock only in
+    transformers 5.x and the hub packages it needs newer (lock_requirements.sh's LING3_OWN)."""
+    ling3 = parse_lock(ROOT / "requirements_lock_ling3.txt")
+    own = {"transformers", "huggingface-hub", "tokenizers"}
+    differ = {n for n in set(ling3) & set(locks["cpu"]) if ling3[n] != locks["cpu"][n]}
+    assert differ == own
+    assert ling3["transformers"].startswith("5.23.") and locks["cpu"]["transformers"].startswith("4.")
+    assert ling3["jax"] == ling3["jaxlib"] == "0.10.2" and ling3["torch"].endswith("+cpu")
+    assert parse_in(ROOT / "requirements-ling3.in") <= set(ling3)

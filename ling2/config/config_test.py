@@ -156,8 +156,8 @@ def test_missing_config_file(tmp_path):
 
 def test_missing_model_file_names_path():
     # ModelName is a closed Literal: an unknown name cannot get past the loader to the schema.
-    with pytest.raises(ConfigError, match=r"models/ling3\.yml: model file .* not found"):
-        load_config(model_name="ling3")
+    with pytest.raises(ConfigError, match=r"models/ling9\.yml: model file .* not found"):
+        load_config(model_name="ling9")
 
 
 def test_missing_model_file_in_custom_tree(tmp_path):
@@ -200,3 +200,17 @@ def test_special_ids_in_range_load():
                       blend_per_split=["a", "", "0.5 b 0.5 c"])
     assert (cfg.pad_id, cfg.bos_id, cfg.eod_id) == (-1, 99, 0)
     assert cfg.blend_per_split == ["a", "", "0.5 b 0.5 c"]
+
+
+def test_ling3_layer_rule_keeps_a_trailing_partial_group_linear():
+    """Ling 3 (reference: transformers' BailingHybridConfig): layer i is MLA iff (i+1) % G == 0, so a
+    trailing partial group stays KDA; Ling2's GLA rule makes that tail MLA."""
+    kda = load_config(model_name="ling3-tiny", base_num_decoder_layers=6, inhomogeneous_layer_cycle_interval=4)
+    assert kda.layer_types == ("kda", "kda", "kda", "mla", "kda", "kda")
+    gla = load_config(model_name="ling2-tiny", base_num_decoder_layers=6, inhomogeneous_layer_cycle_interval=4)
+    assert gla.layer_types == ("gla", "gla", "gla", "mla", "mla", "mla")
+    real = load_config(model_name="ling3")
+    assert real.layer_types.count("mla") == 7 and real.layer_types[5] == "mla" and real.layer_types[-1] == "mla"
+    assert real.rotary_dim == real.qk_rope_head_dim == 64 and real.head_dim == 128
+    with pytest.raises(ConfigError, match="kda_chunk_size"):
+        load_config(model_name="ling3-tiny", kda_chunk_size=48)

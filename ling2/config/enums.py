@@ -10,7 +10,7 @@ class DecoderBlockType(str, enum.Enum):
     LING2 = "ling2"
 
 
-ModelName = Literal["default", "ling2", "ling2-tiny", "ling2-small", "ling2-micro"]
+ModelName = Literal["default", "ling2", "ling2-tiny", "ling2-small", "ling2-micro", "ling3", "ling3-tiny", "ling3-small"]
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 RoutedBiasDType = Literal["", "float32", "bfloat16", "float16", "float64"]
@@ -21,5 +21,7 @@ AttentionKernel = Literal["blocked", "dot_product", "cudnn", "flash"]
 GmmBackend = Literal["auto", "ragged_dot", "tiled"]
 GlaBackend = Literal["auto", "chunked", "naive", "quadratic", "pallas_tpu", "pallas_gpu"]
 LrSchedule = Literal["cosine", "wsd", "constant"]
-LayerType = Literal["gla", "mla"]
+LayerType = Literal["gla", "kda", "mla"]
+LinearAttentionType = Literal["gla", "kda"]
+KdaBackend = Literal["auto", "chunked", "naive", "pallas_tpu", "pallas_gpu"]
 MlpType = Literal["dense", "moe"]

@@ -47,7 +47,8 @@ class Model(_Group):
     weight_dtype: T.DType = _f("Parameter dtype.")
     init_std: float = _f("Normal init std of every weight (HF initializer_range).", gt=0)
     inhomogeneous_layer_cycle_interval: int = _f(
-        "Layer i is MLA when (i+1) % interval == 0 (and every layer of a trailing partial group); others are GLA.")
+        "Layer i is MLA when (i+1) % interval == 0; the others are linear attention (linear_attention_type). "
+        "A trailing partial group is all MLA with gla (Ling2), all KDA with kda (Ling 3, the reference's rule).")
     first_num_dense_layers: NonNegativeInt = _f("Layers before this index use the dense MLP; the rest MoE.")
     attention_type: str = _f("Full-attention flavour of the hybrid (only 'mla').")
     attention_kernel: T.AttentionKernel = _f(
@@ -73,6 +74,8 @@ class Rope(_Group):
 
 
 class LinearAttention(_Group):
+    linear_attention_type: T.LinearAttentionType = _f(
+        "Linear-attention kind of the hybrid: gla (Ling2, BailingMoeV2_5) or kda (Ling 3, Kimi Delta Attention).")
     use_qk_norm: bool = _f("RMSNorm over D on q and k of GLA layers.")
     use_linear_silu: bool = _f("SiLU on the fused qkv projection of GLA layers.")
     group_norm_size: PositiveInt = _f(
@@ -83,6 +86,15 @@ class LinearAttention(_Group):
     gla_chunk_size: PositiveInt = _f("Tokens per chunk of the chunked GLA kernels (a multiple of 8).")
     gla_backend: T.GlaBackend = _f("GLA kernel: auto (pallas_tpu on TPU, pallas_gpu on GPU, chunked elsewhere), "
                                    "chunked, pallas_tpu, pallas_gpu, or the oracles naive/quadratic.")
+    kda_conv_kernel_size: PositiveInt = _f(
+        "KDA: taps K of the depthwise causal short conv over [q | k | v] (HF short_conv_kernel_size).")
+    kda_safe_gate: bool = _f(
+        "KDA forget gate: true g = kda_lower_bound * sigmoid(exp(A_log) * f) (bounded); false g = -exp(A_log) * "
+        "softplus(f) (HF kda_safe_gate).")
+    kda_lower_bound: float = _f("KDA safe gate: the lower bound of the per-token log decay (HF kda_lower_bound).", lt=0)
+    kda_chunk_size: PositiveInt = _f("KDA: tokens per chunk of the chunked kernels (a power of two >= 16).")
+    kda_backend: T.KdaBackend = _f("KDA kernel: auto (pallas_tpu on TPU, pallas_gpu on GPU, chunked elsewhere), "
+                                   "chunked, pallas_tpu, pallas_gpu, or the oracle naive.")
 
 
 class Mla(_Group):
@@ -92,6 +104,8 @@ class Mla(_Group):
     qk_rope_head_dim: PositiveInt = _f("Per-head q/k dims with RoPE (k's are shared by all heads).")
     v_head_dim: PositiveInt = _f("Per-head value dim.")
     mla_interleaved_rope: bool = _f("De-interleave the rope dims (even, then odd) before rotate-half.")
+    mla_output_gate: bool = _f(
+        "Multiply each head's attention output by sigmoid(x W_g) (W_g [E, H]) before the output projection (Ling 3).")
 
 
 class MoE(_Group):
@@ -255,11 +269,16 @@ class Config(*GROUPS):
         hd = self.base_num_query_heads * self.head_dim
         need(hd % self.group_norm_size == 0, "group_norm_size",
              f"{self.group_norm_size} groups do not divide num_query_heads*head_dim={hd}")
-        rot = self.head_dim * self.partial_rotary_factor
-        need(rot == int(rot) and int(rot) % 2 == 0, "partial_rotary_factor",
-             f"head_dim*partial_rotary_factor={rot} must be an even integer")
-        need(int(rot) == self.qk_rope_head_dim, "qk_rope_head_dim",
-             f"must equal head_dim*partial_rotary_factor={rot} (both rotary tables share it)")
+        if self.linear_attention_type == "gla":
+            rot = self.head_dim * self.partial_rotary_factor
+            need(rot == int(rot) and int(rot) % 2 == 0, "partial_rotary_factor",
+                 f"head_dim*partial_rotary_factor={rot} must be an even integer")
+            need(int(rot) == self.qk_rope_head_dim, "qk_rope_head_dim",
+                 f"must equal head_dim*partial_rotary_factor={rot} (both rotary tables share it)")
+        else:
+            need(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", f"must be even, got {self.qk_rope_head_dim}")
+            C = self.kda_chunk_size
+            need(C >= 16 and C & (C - 1) == 0, "kda_chunk_size", f"must be a power of two >= 16, got {C}")
         if self.rope_type == "default":
             need(self.max_target_length <= self.max_position_embeddings, "max_target_length",
                  f"{self.max_target_length} exceeds max_position_embeddings={self.max_position_embeddings} with "
@@ -292,8 +311,9 @@ class Config(*GROUPS):
 
     def _derive(self) -> None:
         L, k = self.base_num_decoder_layers, self.inhomogeneous_layer_cycle_interval
-        tail = (L // k) * k
-        types = tuple("mla" if (i + 1) % k == 0 or i >= tail else "gla" for i in range(L))
+        lin = self.linear_attention_type
+        tail = (L // k) * k if lin == "gla" else L  # Ling 3: a trailing partial group stays linear
+        types = tuple("mla" if (i + 1) % k == 0 or i >= tail else lin for i in range(L))
         object.__setattr__(self, "_layer_types", types)
         mlps = tuple("dense" if i < self.first_num_dense_layers else "moe" for i in range(L))
         object.__setattr__(self, "_mlp_types", mlps)
@@ -301,7 +321,7 @@ class Config(*GROUPS):
     # Derived values (computed once above, or trivially from fields).
     @property
     def layer_types(self) -> tuple[T.LayerType, ...]:
-        """Per-layer attention type: 'mla' or 'gla'."""
+        """Per-layer attention type: 'mla', 'gla' or 'kda'."""
         return self._layer_types
 
     @property
@@ -336,7 +356,9 @@ class Config(*GROUPS):
 
     @property
     def rotary_dim(self) -> int:
-        """Rotated dims per head (GLA and MLA share it)."""
+        """Rotated dims per head (GLA and MLA share it; with KDA, which has no RoPE, MLA's qk_rope_head_dim)."""
+        if self.linear_attention_type == "kda":
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property

@@ -194,7 +194,7 @@ def convert_hf_to_ling2(hf_dir, out_dir, *, scan_layers: bool = False, dtype: st
     return cfg
 
 
-def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "bailing", config=None, dtype: str = "",
+def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "auto", config=None, dtype: str = "",
                         shard_bytes: int = 2 << 30, progress: bool = True) -> dict:
     """Ling2 checkpoint directory -> HF directory (shards, index, config.json); returns the index.
 
@@ -215,6 +215,7 @@ def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "bailing", config=No
     np_dtype = np.dtype(jax.numpy.dtype(DTYPES[dtype])) if dtype else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    layout = hf_config.layout_for(cfg) if layout == "auto" else layout
     hf = hf_config.config_to_hf(cfg, layout, DTYPES[dtype] if dtype else "")
     writer = PlannedWriter(out, hf_specs(cfg, layout, np_dtype), shard_bytes)
     if isinstance(state, ShardedReader):

@@ -1,8 +1,13 @@
-"""HF `config.json` <-> Ling2 config, for the two source layouts.
+"""HF `config.json` <-> Ling2 config, for the three source layouts.
 
 - "bailing": BailingMoeV2_5 (hybrid GLA/MLA, `layer_group_size`, MTP as extra layers). A field
   missing from config.json takes the default of the official `BailingMoeV2_5Config`
   (`BAILING_DEFAULTS`), as the official code would.
+- "bailing_hybrid": Ling 3 (transformers' `bailing_hybrid`, BailingHybridForCausalLM / BailingMoeV3):
+  KDA + gated MLA. Read by the saved (alias) names (`num_experts`, `moe_renormalize`, ...) or the
+  constructor's; KDA's head dim is `linear_head_dim` (transformers overwrites `head_dim` with the rope
+  dim), else `head_dim`. Missing fields take `BailingHybridConfig`'s defaults (`HYBRID_DEFAULTS`).
+  Ling 2.6 shares `model_type: bailing_hybrid`, so the layout follows `architectures`.
 - "deepseek_v3": DeepSeek-V3 (every layer MLA), read into a Ling2 config with
   `inhomogeneous_layer_cycle_interval=1`, head_dim = qk_rope_head_dim, partial_rotary_factor 1.
 
@@ -19,7 +24,30 @@ import re
 
 from ling2.config import ConfigError, load_config
 
-LAYOUTS = ("bailing", "deepseek_v3")
+LAYOUTS = ("bailing", "bailing_hybrid", "deepseek_v3")
+
+# transformers 5.23 BailingHybridConfig's defaults (the real Ling 3 model), by constructor name.
+HYBRID_DEFAULTS = {
+    "vocab_size": 157184, "hidden_size": 2560, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_hidden_layers": 42, "num_attention_heads": 32, "num_key_value_heads": 32, "num_local_experts": 512,
+    "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True, "first_k_dense_replace": 2, "hidden_act": "silu", "max_position_embeddings": 262144,
+    "initializer_range": 0.02, "rms_norm_eps": 1e-6, "pad_token_id": 156892, "eos_token_id": 156895,
+    "tie_word_embeddings": False, "attention_bias": False, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_theta": 6e6, "head_dim": 128, "short_conv_kernel_size": 4,
+    "layer_group_size": 6, "kda_safe_gate": True, "kda_lower_bound": -5.0, "num_mtp_layers": 1,
+    "mtp_loss_scaling_factor": 0.0,
+}
+# config.json name (transformers' attribute_map) -> constructor name.
+HYBRID_ALIASES = {
+    "model_max_length": "max_position_embeddings", "moe_renormalize": "norm_topk_prob",
+    "num_expert_group": "n_group", "num_experts": "num_local_experts", "num_experts_per_token": "num_experts_per_tok",
+    "num_shared_experts": "n_shared_experts", "num_nextn_predict_layers": "num_mtp_layers",
+    "linear_conv_kernel_dim": "short_conv_kernel_size",
+}
+# architectures -> layout, for model_type bailing_hybrid (shared by Ling 2.6 and Ling 3).
+HYBRID_ARCHITECTURES = {"BailingHybridForCausalLM": "bailing_hybrid", "BailingMoeV3ForCausalLM": "bailing_hybrid",
+                        "BailingMoeV2_5ForCausalLM": "bailing"}
 
 # Every argument of the official BailingMoeV2_5Config.__init__ (Ring-V2.5,
 # models/configuration_bailing_moe_v2_5.py) with its default.
@@ -74,8 +102,79 @@ class HFConfigError(ValueError):
 
 
 def detect_layout(hf: dict) -> str:
-    kind = (str(hf.get("model_type", "")) + " ".join(map(str, hf.get("architectures") or []))).lower()
+    """The layout of a config.json: by `architectures` where model_type is bailing_hybrid (Ling 2.6 and 3
+    share it), else deepseek_v3 or bailing by name."""
+    archs = [str(a) for a in hf.get("architectures") or []]
+    if hf.get("model_type") == "bailing_hybrid" or any(a in HYBRID_ARCHITECTURES for a in archs):
+        found = {HYBRID_ARCHITECTURES[a] for a in archs if a in HYBRID_ARCHITECTURES}
+        if len(found) != 1:
+            raise HFConfigError(f"config.json: architectures {archs!r} with model_type {hf.get('model_type')!r}: "
+                                f"cannot tell Ling 2.6 from Ling 3 (known: {sorted(HYBRID_ARCHITECTURES)}); "
+                                "pass --layout")
+        return found.pop()
+    kind = (str(hf.get("model_type", "")) + " ".join(archs)).lower()
     return "deepseek_v3" if "deepseek" in kind else "bailing"
+
+
+def layout_for(cfg) -> str:
+    """The HF layout a Ling2 config is written in by default: bailing_hybrid for KDA models, else bailing."""
+    return "bailing_hybrid" if cfg.linear_attention_type == "kda" else "bailing"
+
+
+def _hybrid_names(hf: dict, where: str) -> dict:
+    """config.json with alias names resolved to constructor names (both given and different: an error)."""
+    out = dict(hf)
+    for alias, name in HYBRID_ALIASES.items():
+        if alias in hf:
+            if name in hf and hf[name] != hf[alias]:
+                raise HFConfigError(f"{where}: {alias}={hf[alias]!r} and {name}={hf[name]!r} name the same field "
+                                    "with different values")
+            out[name] = out.pop(alias)
+    return out
+
+
+def _hybrid_overrides(hf: dict, explicit: set, w: str) -> dict:
+    """The Ling2 fields of a bailing_hybrid config (hf with constructor names and defaults filled in)."""
+    H, L, G = hf["num_attention_heads"], hf["num_hidden_layers"], _pos_int(hf, "layer_group_size", w)
+    if (hf.get("num_key_value_heads") or H) != H:
+        raise HFConfigError(f"{w}: num_key_value_heads={hf['num_key_value_heads']} must equal num_attention_heads={H}")
+    if not hf["norm_topk_prob"]:
+        raise HFConfigError(f"{w}: moe_renormalize (norm_topk_prob) false is not supported "
+                            "(Ling2 always normalises sigmoid routing weights)")
+    if hf.get("linear_num_heads") not in (None, H):
+        raise HFConfigError(f"{w}: linear_num_heads={hf['linear_num_heads']} must equal num_attention_heads={H}")
+    rule = ["full_attention" if (i + 1) % G == 0 else "linear_attention" for i in range(L)]
+    if hf.get("layer_types") is not None and list(hf["layer_types"]) != rule:
+        raise HFConfigError(f"{w}: layer_types {hf['layer_types']!r} differ from the layer_group_size={G} rule "
+                            f"{rule!r}; only the rule is supported")
+    dense = hf["first_k_dense_replace"]
+    mlp_rule = ["dense" if i < dense else "sparse" for i in range(L)]
+    if hf.get("mlp_layer_types") is not None and list(hf["mlp_layer_types"]) != mlp_rule:
+        raise HFConfigError(f"{w}: mlp_layer_types {hf['mlp_layer_types']!r} differ from the first_k_dense_replace="
+                            f"{dense} rule; only the rule is supported")
+    head_dim = hf["linear_head_dim"] if hf.get("linear_head_dim") else hf["head_dim"]
+    n_shared = hf.get("n_shared_experts") or 0
+    return {
+        "linear_attention_type": "kda", "mla_output_gate": True, "head_dim": _pos_int({"head_dim": head_dim},
+                                                                                       "head_dim", w),
+        "inhomogeneous_layer_cycle_interval": G, "q_lora_rank": 0, "mla_interleaved_rope": True,
+        "use_qk_norm": False, "group_norm_size": 1, "num_experts": hf["num_local_experts"],
+        "routed_score_func": "sigmoid", "routed_bias": True, "norm_topk_prob": True,
+        "shared_experts": 1 if n_shared else 0, "moe_shared_expert_dim": n_shared * hf["moe_intermediate_size"],
+        "kda_conv_kernel_size": _pos_int(hf, "short_conv_kernel_size", w), "kda_safe_gate": hf["kda_safe_gate"],
+        "kda_lower_bound": hf["kda_lower_bound"], "mtp_num_layers": hf.get("num_mtp_layers") or 0,
+        "mtp_loss_scaling_factor": hf["mtp_loss_scaling_factor"],
+    }
+
+
+def _hybrid_rope(hf: dict) -> dict:
+    """rope_parameters (transformers 5) as the rope_scaling block `_rope` reads."""
+    rp = hf.get("rope_parameters") or {}
+    out = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling")}
+    out["rope_theta"] = rp.get("rope_theta", hf.get("rope_theta", HYBRID_DEFAULTS["rope_theta"]))
+    if rp.get("rope_type", "default") != "default":
+        out["rope_scaling"] = rp
+    return out
 
 
 def _need(hf: dict, key: str, where: str):
@@ -142,6 +241,13 @@ def hf_to_overrides(hf: dict, layout: str) -> dict:
     explicit = set(hf)
     if layout == "bailing":
         hf = {**BAILING_DEFAULTS, **hf}
+    elif layout == "bailing_hybrid":
+        hf = _hybrid_rope({**HYBRID_DEFAULTS, **_hybrid_names(hf, w)})
+        hf["num_nextn_predict_layers"] = hf["num_mtp_layers"]
+        hf.pop("q_lora_rank", None)  # the reference ignores it (no q-LoRA in this generation)
+        explicit = {HYBRID_ALIASES.get(k, k) for k in explicit}
+        # the class's default special ids are no choice of this checkpoint's (a tiny vocabulary drops them)
+        explicit -= {k for k in ("pad_token_id", "eos_token_id") if hf.get(k) == HYBRID_DEFAULTS[k]}
     if hf.get("hidden_act", "silu") != "silu":
         raise HFConfigError(f"{w}: hidden_act {hf['hidden_act']!r} is not supported (silu)")
     if hf.get("use_qkv_bias") or hf.get("use_bias") or hf.get("attention_bias"):
@@ -183,6 +289,8 @@ def hf_to_overrides(hf: dict, layout: str) -> dict:
             routed_bias=hf["moe_router_enable_expert_bias"], shared_experts=1 if shared else 0,
             moe_shared_expert_dim=shared, mtp_loss_scaling_factor=hf["mtp_loss_scaling_factor"],
         )
+    elif layout == "bailing_hybrid":
+        o.update(_hybrid_overrides(hf, explicit, w))
     elif layout == "deepseek_v3":
         if not hf.get("norm_topk_prob", True):
             raise HFConfigError(f"{w}: norm_topk_prob false is not supported (Ling2 always normalises sigmoid weights)")
@@ -263,6 +371,8 @@ def _generated(cfg, layout: str, torch_dtype: str) -> dict:
             "moe_router_enable_expert_bias": cfg.routed_bias, "mtp_loss_scaling_factor": cfg.mtp_loss_scaling_factor,
             "use_qkv_bias": False, "use_bias": False,
         }
+    if layout == "bailing_hybrid":
+        return _hybrid_generated(cfg, common, shared_width)
     if layout == "deepseek_v3":
         if any(t != "mla" for t in cfg.layer_types):
             raise HFConfigError("layout deepseek_v3: every layer must be MLA (inhomogeneous_layer_cycle_interval=1)")
@@ -276,6 +386,44 @@ def _generated(cfg, layout: str, torch_dtype: str) -> dict:
                 "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
                 "attention_bias": False, "head_dim": cfg.qk_rope_head_dim}
     raise HFConfigError(f"layout: unknown {layout!r} (known: {LAYOUTS})")
+
+
+def _hybrid_generated(cfg, common: dict, shared_width: int) -> dict:
+    """config.json of a Ling 3 config, in the names transformers saves (attribute_map aliases)."""
+    w = "layout bailing_hybrid"
+    if cfg.linear_attention_type != "kda" or not cfg.mla_output_gate:
+        raise HFConfigError(f"{w}: needs linear_attention_type kda and mla_output_gate true")
+    if cfg.q_lora_rank:
+        raise HFConfigError(f"{w}: q_lora_rank={cfg.q_lora_rank}: the reference MLA has no q-LoRA (set 0)")
+    if cfg.routed_score_func != "sigmoid" or not cfg.routed_bias or not cfg.mla_interleaved_rope:
+        raise HFConfigError(f"{w}: needs routed_score_func sigmoid, routed_bias and mla_interleaved_rope")
+    if cfg.num_kv_heads != cfg.num_query_heads:
+        raise HFConfigError(f"{w}: base_num_kv_heads must equal base_num_query_heads")
+    if shared_width % cfg.base_moe_mlp_dim:
+        raise HFConfigError(f"{w}: the shared expert width {shared_width} is not a multiple of "
+                            f"base_moe_mlp_dim={cfg.base_moe_mlp_dim}")
+    G, L = cfg.inhomogeneous_layer_cycle_interval, cfg.num_decoder_layers
+    out = {k: v for k, v in common.items() if k not in ("q_lora_rank", "rope_interleave", "rope_scaling")}
+    rs = _rope_scaling(cfg)
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_max_timescale} if rs is None else {
+        **{k: v for k, v in rs.items() if k != "type"}, "rope_theta": cfg.rope_max_timescale}
+    for name, alias in (("max_position_embeddings", "model_max_length"), ("n_group", "num_expert_group"),
+                        ("num_experts_per_tok", "num_experts_per_token"),
+                        ("num_nextn_predict_layers", "num_nextn_predict_layers")):
+        out[alias] = out.pop(name)
+    out.update({
+        "architectures": ["BailingHybridForCausalLM"], "model_type": "bailing_hybrid", "rope_parameters": rope,
+        "num_experts": cfg.num_experts, "num_shared_experts": shared_width // cfg.base_moe_mlp_dim,
+        "moe_renormalize": True, "attention_bias": False, "head_dim": cfg.qk_rope_head_dim,
+        "linear_head_dim": cfg.head_dim, "linear_num_heads": cfg.num_query_heads,
+        "qk_head_dim": cfg.qk_head_dim, "short_conv_kernel_size": cfg.kda_conv_kernel_size,
+        "linear_conv_kernel_dim": cfg.kda_conv_kernel_size, "layer_group_size": G,
+        "kda_safe_gate": cfg.kda_safe_gate, "kda_lower_bound": cfg.kda_lower_bound,
+        "layer_types": ["full_attention" if (i + 1) % G == 0 else "linear_attention" for i in range(L)],
+        "mlp_layer_types": ["dense" if i < cfg.first_num_dense_layers else "sparse" for i in range(L)],
+        "mtp_loss_scaling_factor": cfg.mtp_loss_scaling_factor,
+    })
+    return out
 
 
 def config_to_hf(cfg, layout: str, torch_dtype: str = "") -> dict:

@@ -1,6 +1,6 @@
 """Ling2 checkpoint directory (converter output or trainer step) -> HF sharded safetensors.
 
-  ./bazelw run //ling2/convert:ling2_to_hf -- --ckpt CKPT_DIR --out HF_DIR [--layout bailing|deepseek_v3]
+  ./bazelw run //ling2/convert:ling2_to_hf -- --ckpt CKPT_DIR --out HF_DIR [--layout auto|bailing|bailing_hybrid|deepseek_v3]
       [--config CONFIG_YML] [--dtype bf16] [--shard_gb 2]
 
 Writes model-0000i-of-0000n.safetensors, model.safetensors.index.json and config.json (with the
@@ -21,7 +21,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="Ling2 checkpoint directory (holds state/)")
     p.add_argument("--out", required=True, help="HF directory to write")
-    p.add_argument("--layout", default="bailing", choices=("bailing", "deepseek_v3"))
+    p.add_argument("--layout", default="auto", choices=("auto", "bailing", "bailing_hybrid", "deepseek_v3"),
+                   help="auto: bailing_hybrid (Ling 3) for KDA models, else bailing")
     p.add_argument("--config", default=None, help="Ling2 config YAML (default: the config saved with the checkpoint)")
     p.add_argument("--dtype", default="", help="cast tensors to fp32, bf16 or fp16 (default: as stored)")
     p.add_argument("--shard_gb", type=float, default=2.0, help="maximum shard size in GB")

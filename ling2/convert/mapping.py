@@ -5,7 +5,8 @@ An `Entry` ties one HF tensor to a slice of one leaf of the pure-dict state of
 `index` (the scan group for scanned layers, then the expert for stacked experts).
 HF Linear weights are [out, in]; Ling2 kernels are [in..., out...] with the first `nin`
 dims the input, so `to_ling2` is `w.T.reshape(...)`; `nin == 0` copies (norms, the
-embedding, the expert bias). Where each layer lives is the layer plan's
+embedding, the expert bias), reshaped when `reshape` names an HF layout of other dims (KDA's
+dt_bias [H*D] and short-conv taps [H*D, 1, K]). Where each layer lives is the layer plan's
 (`ling2.layers.plan`); HF layer i is plan layer i, MTP depth d is HF layer num_hidden_layers + d.
 """
 
@@ -24,13 +25,22 @@ class Entry(NamedTuple):
     nin: int  # 0: copy; n > 0: HF [out, in] transposed, the leaf's first n dims (after index) are `in`
     aliases: tuple = ()  # other HF names accepted when reading
     mtp: bool = False  # part of an MTP layer (may be missing with allow_missing_mtp)
+    reshape: str = ""  # nin 0 only: "flat" (HF [prod]), "conv" (leaf [..., K] as HF [prod(...), 1, K])
+
+
+def _reshaped(e: Entry, s: tuple) -> tuple:
+    if e.reshape == "flat":
+        return (math.prod(s),)
+    if e.reshape == "conv":
+        return (math.prod(s[:-1]), 1, s[-1])
+    return s
 
 
 def hf_shape(e: Entry, leaf_shape: tuple) -> tuple:
     """The HF tensor's shape for an entry whose Ling2 leaf has `leaf_shape`."""
     s = tuple(leaf_shape[len(e.index):])
     if e.nin == 0:
-        return s
+        return _reshaped(e, s)
     return (math.prod(s[e.nin:]), math.prod(s[:e.nin]))
 
 
@@ -44,12 +54,23 @@ def to_hf(e: Entry, x: np.ndarray, leaf_shape: tuple) -> np.ndarray:
     """The HF tensor of Ling2 block `x` (C-contiguous): a transposed view, no bytes copied."""
     s = tuple(leaf_shape[len(e.index):])
     if e.nin == 0:
-        return x
+        return x.reshape(_reshaped(e, s)) if e.reshape else x
     return x.reshape(int(np.prod(s[:e.nin])), -1).T
 
 
 def _attention(layout: str, attn_type: str) -> list[tuple]:
-    """(HF suffix, Ling2 sub-path, nin, aliases) of one attention block."""
+    """(HF suffix, Ling2 sub-path, nin, aliases[, reshape]) of one attention block."""
+    if attn_type == "kda":  # bailing_hybrid's on-disk names (transformers renames them only in memory)
+        a = "attention"
+        out = [(f"{a}.{p}.weight", ("attention", p), 1, ()) for p in ("q_proj", "k_proj", "v_proj")]
+        out += [(f"{a}.{p}_conv1d.weight", ("attention", f"{p}_conv"), 0, (), "conv") for p in "qkv"]
+        return out + [(f"{a}.f_proj.weight", ("attention", "f_proj"), 1, ()),
+                      (f"{a}.dt_bias", ("attention", "dt_bias"), 0, (), "flat"),
+                      (f"{a}.A_log", ("attention", "A_log"), 0, ()),
+                      (f"{a}.b_proj.weight", ("attention", "b_proj"), 1, ()),
+                      (f"{a}.g_proj.weight", ("attention", "g_proj"), 1, ()),
+                      (f"{a}.o_norm.weight", ("attention", "o_norm", "weight"), 0, ()),
+                      (f"{a}.dense.weight", ("attention", "dense"), 2, ())]
     if attn_type == "gla":
         return [("attention.query_key_value.weight", ("attention", "qkv"), 1, ()),
                 ("attention.g_proj.weight", ("attention", "g_proj"), 1, ()),
@@ -57,7 +78,7 @@ def _attention(layout: str, attn_type: str) -> list[tuple]:
                 ("attention.query_layernorm.weight", ("attention", "q_norm", "weight"), 0, ()),
                 ("attention.key_layernorm.weight", ("attention", "k_norm", "weight"), 0, ()),
                 ("attention.dense.weight", ("attention", "dense"), 2, ())]
-    a, out = ("attention", "dense") if layout == "bailing" else ("self_attn", "o_proj")
+    a, out = ("self_attn", "o_proj") if layout == "deepseek_v3" else ("attention", "dense")
     return [(f"{a}.q_a_proj.weight", ("attention", "q_a"), 1, ()),
             (f"{a}.q_a_layernorm.weight", ("attention", "q_a_norm", "weight"), 0, ()),
             (f"{a}.q_b_proj.weight", ("attention", "q_b"), 1, ()),
@@ -65,7 +86,8 @@ def _attention(layout: str, attn_type: str) -> list[tuple]:
             (f"{a}.kv_a_proj_with_mqa.weight", ("attention", "kv_a"), 1, ()),
             (f"{a}.kv_a_layernorm.weight", ("attention", "kv_a_norm", "weight"), 0, ()),
             (f"{a}.kv_b_proj.weight", ("attention", "kv_b"), 1, ()),
-            (f"{a}.{out}.weight", ("attention", "dense"), 2, ())]
+            (f"{a}.{out}.weight", ("attention", "dense"), 2, ()),
+            (f"{a}.g_proj.weight", ("attention", "g_proj"), 1, ())]
 
 
 def _mlp(layout: str, mlp_type: str, num_experts: int) -> list[tuple]:
@@ -87,8 +109,8 @@ def _block(layout, attn_type, mlp_type, cfg, hf_prefix, path, index, mtp) -> lis
     out = [Entry(hf_prefix + "input_layernorm.weight", path + ("input_norm", "weight"), index, 0, mtp=mtp),
            Entry(hf_prefix + "post_attention_layernorm.weight", path + ("post_attention_norm", "weight"), index, 0,
                  mtp=mtp)]
-    out += [Entry(hf_prefix + s, path + sub, index, nin, tuple(hf_prefix + a for a in al), mtp)
-            for s, sub, nin, al in _attention(layout, attn_type)]
+    out += [Entry(hf_prefix + s, path + sub, index, nin, tuple(hf_prefix + a for a in al), mtp, *rest)
+            for s, sub, nin, al, *rest in _attention(layout, attn_type)]
     for s, sub, nin, al, e in _mlp(layout, mlp_type, cfg.num_experts):
         idx = index + ((e,) if e is not None else ())
         out.append(Entry(hf_prefix + s, path + sub, idx, nin, tuple(hf_prefix + a for a in al), mtp))
@@ -100,15 +122,16 @@ def entries(cfg, layout: str, leaves: dict) -> list[Entry]:
 
     Raises ValueError when some leaf of the model has no entry (a mapping bug, not bad input).
     """
-    emb = "model.word_embeddings.weight" if layout == "bailing" else "model.embed_tokens.weight"
-    al = ("model.embed_tokens.weight",) if layout == "bailing" else ("model.word_embeddings.weight",)
+    bailing = layout != "deepseek_v3"
+    emb = "model.word_embeddings.weight" if bailing else "model.embed_tokens.weight"
+    al = ("model.embed_tokens.weight",) if bailing else ("model.word_embeddings.weight",)
     out = [Entry(emb, ("decoder", "embed", "embedding"), (), 0, al)]
     plan = layer_plan(cfg)
     for s in plan.layers:
         out += _block(layout, s.attn, s.mlp, cfg, f"model.layers.{s.index}.", s.path, s.stack, False)
     for s in plan.mtp:
         pre, path = f"model.layers.{s.index}.", s.path[:-1]
-        final = "final_layernorm.weight" if layout == "bailing" else "shared_head.norm.weight"
+        final = "final_layernorm.weight" if bailing else "shared_head.norm.weight"
         out += [Entry(pre + "enorm.weight", path + ("enorm", "weight"), (), 0, mtp=True),
                 Entry(pre + "hnorm.weight", path + ("hnorm", "weight"), (), 0, mtp=True),
                 Entry(pre + "eh_proj.weight", path + ("eh_proj",), (), 1, mtp=True),

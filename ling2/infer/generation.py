@@ -345,7 +345,8 @@ def _accept(logits_BJV, drafts_BK, q_BKV, key, s: Sampling):
 
 def _spec_loop(model, loop: Loop, N: int, K: int, s: Sampling, stop_ids, absorb: bool) -> Loop:
     W = 2 * K
-    gla = [i for i, layer in model.decoder.layer_list() if layer.attn_type == "gla"]
+    gla = [i for i, layer in model.decoder.layer_list() if layer.attn_type in ("gla", "kda")]
+    kda = [i for i, layer in model.decoder.layer_list() if layer.attn_type == "kda"]
 
     def cond(c: Loop):
         return ~jnp.all(c.done)
@@ -372,7 +373,11 @@ def _spec_loop(model, loop: Loop, N: int, K: int, s: Sampling, stop_ids, absorb:
         adv = jnp.where(live, a + 1, 0)
         states = {i: _take_rows(cache["layers"][i]["states"], a) for i in gla}
         states = {i: jnp.where(live[:, None, None, None], v, c.cache["layers"][i]["state"]) for i, v in states.items()}
-        layers = {i: {k: v for k, v in lc.items() if k != "states"} for i, lc in cache["layers"].items()}
+        convs = {i: _take_rows(cache["layers"][i]["convs"], a) for i in kda}  # KDA conv windows
+        convs = {i: jnp.where(live.reshape((-1,) + (1,) * (v.ndim - 1)), v, c.cache["layers"][i]["conv"])
+                 for i, v in convs.items()}
+        layers = {i: {k: v for k, v in lc.items() if k not in ("states", "convs")} | (
+                  {"conv": convs[i]} if i in convs else {}) for i, lc in cache["layers"].items()}
         cache = decode_lib.rollback({**cache, "layers": layers}, c.cache["index"] + adv, states)
         hidden = _mtp_hidden(model, out)
         hbuf = _slice_rows(jnp.concatenate([c.hbuf, hidden.astype(c.hbuf.dtype)], axis=1), adv, W)
@@ -413,6 +418,7 @@ class Generator:
         self.vocab = model.decoder.embed.embedding.shape[0]
         self.num_mtp = 0 if model.mtp is None else len(model.mtp.depths)
         self.traces = {"prefill": 0, "decode": 0}
+        self.has_kda = any(layer.attn_type == "kda" for _, layer in model.decoder.layer_list())
         self._run = jax.jit(self._generate, static_argnames=("lay", "N", "s", "stop_ids", "spec", "absorb", "packed"))
 
     def _generate(self, state, ids, pos, seg, lengths, key, packed_inputs, *, lay, N, s, stop_ids, spec, absorb,
@@ -440,6 +446,9 @@ class Generator:
             raise InferError(f"--max_new_tokens={max_new_tokens}: must be >= 1")
         if speculative and not self.num_mtp:
             raise InferError("--speculative_mtp: the model has no MTP layers (mtp_num_layers=0)")
+        if packed and self.has_kda:
+            raise InferError("--packed: packed prefill is not supported for models with KDA layers (Ling 3); "
+                             "leave it off (each prompt is prefilled in its own row)")
         stop_ids = tuple(sorted({int(i) for i in stop_ids}))
         K = self.num_mtp if speculative else 0
         lay = make_layout(prompts, max_new_tokens, K)

@@ -16,7 +16,7 @@ from flax import nnx
 
 from ling2.infer import generation
 from ling2.infer.generation import Generator, Sampling
-from ling2.infer.testing.models import micro, prompts
+from ling2.infer.testing.models import micro, oracle_drafts, prompts
 
 N = 9
 LENGTHS = (6, 2, 33)
@@ -48,44 +48,25 @@ def test_greedy_speculative_equals_plain(k1):
     assert st["drafts_examined"][0] >= N - 1  # every live row examines one depth-1 draft per round
 
 
-def oracle_drafts(plain_ids, wrong):
-    """A `_draft` replacement proposing the plain greedy tokens, wrong where wrong(row, count, depth)."""
-    table = np.zeros((len(plain_ids), N + 8), np.int32)
-    for b, r in enumerate(plain_ids):
-        table[b, :len(r)] = r
-
-    def draft(model, c, W, s, key, absorb):
-        K = len(c.mtp)
-        B = c.last.shape[0]
-        j = jnp.arange(1, K + 1)
-        idx = c.count[:, None] - 1 + j[None]  # generated index of x_{m+j}
-        d = jnp.take_along_axis(jnp.asarray(table), jnp.minimum(idx, table.shape[1] - 1), axis=1)
-        bad = wrong(jnp.arange(B)[:, None], c.count[:, None], j[None])
-        d = jnp.where(bad, (d + 1) % model.decoder.embed.embedding.shape[0], d)
-        return d.astype(jnp.int32), jax.nn.one_hot(d, model.decoder.embed.embedding.shape[0]), c.mtp
-
-    return draft
-
-
 @pytest.mark.parametrize("fixture", ["k1", "k2"])
 def test_verify_and_rollback_with_known_drafts(fixture, request, monkeypatch):
     model, g, ps, plain = request.getfixturevalue(fixture)
     K = len(model.mtp.depths)
     # all drafts right: K + 1 tokens per main forward
-    monkeypatch.setattr(generation, "_draft", oracle_drafts(plain.ids, lambda b, c, j: j < 0))
+    monkeypatch.setattr(generation, "_draft", oracle_drafts(plain.ids, N, lambda b, c, j: j < 0))
     out = Generator(model).generate(ps, N, speculative=True)
     assert out.ids == plain.ids
     assert out.stats["acceptance_per_depth"] == [1.0] * K
     assert out.stats["main_forwards"] == 1 + -(-(N - 1) // (K + 1))
     # wrong drafts in a pattern: rows and depths accept different counts
     wrong = lambda b, c, j: (b + c + j) % 3 == 0  # noqa: E731
-    monkeypatch.setattr(generation, "_draft", oracle_drafts(plain.ids, wrong))
+    monkeypatch.setattr(generation, "_draft", oracle_drafts(plain.ids, N, wrong))
     out = Generator(model).generate(ps, N, speculative=True)
     assert out.ids == plain.ids
     acc = out.stats["acceptance_per_depth"]
     assert 0 < acc[0] < 1
     # none right: one token per forward, as plain decoding
-    monkeypatch.setattr(generation, "_draft", oracle_drafts(plain.ids, lambda b, c, j: j > 0))
+    monkeypatch.setattr(generation, "_draft", oracle_drafts(plain.ids, N, lambda b, c, j: j > 0))
     out = Generator(model).generate(ps, N, speculative=True)
     assert out.ids == plain.ids
     assert out.stats["drafts_accepted"] == [0] * K and out.stats["main_forwards"] == N
@@ -119,8 +100,7 @@ def test_cached_drafts_equal_teacher_forced_mtp_forward(k2):
         @nnx.jit
         def mtp_logits(model, x, tgt, posb, one):
             out = model(x, posb, one)
-            res = model.mtp(model.decoder.embed, model.decoder.lm_head, out, x, tgt, one.astype(jnp.float32), posb,
-                            one, return_logits=True)
+            res = model.mtp(model.decoder, out, x, tgt, one.astype(jnp.float32), posb, one, return_logits=True)
             return res.logits
 
         logits = [np.asarray(a) for a in mtp_logits(model, x, tgt, posb, one)]

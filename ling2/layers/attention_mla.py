@@ -4,6 +4,7 @@
   [c_kv | k_rope] = W_kva x          c_kv [B,T,kv_lora], k_rope [B,T,rope] shared by heads
   [k_nope | v] = W_kvb RMSNorm(c_kv)                                      [B,T,H,nope+v]
   o = softmax(q.k * scale + mask) v;  out = W_dense o                     [B,T,E]
+  with mla_output_gate (Ling 3): o[b,t,h] *= sigmoid(x W_g)[b,t,h] before W_dense, W_g [E,H]
 
 The rope part of q and k gets NeoX rotate-half RoPE; with `mla_interleaved_rope` its dims
 are first reordered (even, then odd), as the reference's interleaved weights expect. The
@@ -115,7 +116,8 @@ def matmul_params(cfg) -> int:
     E, H = cfg.emb_dim, cfg.num_query_heads
     Rq, Rkv, Dqk, Dv, Dr = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
     q = E * Rq + Rq * H * Dqk if Rq else E * H * Dqk
-    return q + E * (Rkv + Dr) + Rkv * H * (cfg.qk_nope_head_dim + Dv) + H * Dv * E
+    gate = E * H if cfg.mla_output_gate else 0
+    return q + E * (Rkv + Dr) + Rkv * H * (cfg.qk_nope_head_dim + Dv) + H * Dv * E + gate
 
 
 def mixing_flops(cfg, seq_len: int) -> float:
@@ -150,6 +152,9 @@ class MLA(nnx.Module):
         self.kv_a_norm = norms.RMSNorm(self.Rkv, eps=LORA_NORM_EPS, param_dtype=wdt)
         self.kv_b = param((self.Rkv, H, self.Dn + self.Dv), ("kv_lora", "heads", "kv"))
         self.dense = param((H, self.Dv, E), ("heads", "kv", "embed"))
+        if cfg.mla_output_gate:
+            self.g_proj = param((E, H), ("embed", "heads"))
+        self.output_gate = cfg.mla_output_gate
         self.dtype, self.kernel, self.interleaved = cfg.dtype, cfg.attention_kernel, cfg.mla_interleaved_rope
         self.block = cfg.attention_block_size
         self.inv_freq = tuple(float(f) for f in yarn.rope_inv_freq(cfg))
@@ -253,6 +258,10 @@ class MLA(nnx.Module):
                 k_BSHK, v_BSHV = self.expand(c_all, r_all)
                 o_BTHV = self._attend(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, mask)
         o_BTHV = constrain(o_BTHV, ("activation_batch", "activation_length", "activation_heads", None))
+        if self.output_gate:
+            x = x_BTE.astype(jnp.dtype(self.dtype))
+            gate = jax.nn.sigmoid(jnp.einsum("bte,eh->bth", x, self._w(self.g_proj)).astype(jnp.float32))
+            o_BTHV = (o_BTHV.astype(jnp.float32) * gate[..., None]).astype(o_BTHV.dtype)
         out = jnp.einsum("bthv,hve->bte", o_BTHV, self._w(self.dense))
         out = constrain(out, ("activation_batch", "activation_length", "activation_embed"))
         if cache is None:

@@ -23,6 +23,7 @@ from ling2.config import DecoderBlockType
 from ling2.layers import decode as decode_lib
 from ling2.layers import losses, norms
 from ling2.layers.attention_gla import GatedLinearAttention, layer_slopes
+from ling2.layers.attention_kda import KimiDeltaAttention
 from ling2.layers.attention_mla import MLA
 from ling2.layers.embed import Embed, LMHead
 from ling2.layers.moe import MoE
@@ -35,6 +36,7 @@ ACT = ("activation_batch", "activation_length", "activation_embed")
 # Attention kind (cfg.layer_types) -> module(cfg, layer index, rngs=...).
 ATTENTION = {
     "gla": lambda cfg, i, rngs: GatedLinearAttention(cfg, i, rngs=rngs),
+    "kda": lambda cfg, i, rngs: KimiDeltaAttention(cfg, i, rngs=rngs),
     "mla": lambda cfg, i, rngs: MLA(cfg, rngs=rngs),
 }
 

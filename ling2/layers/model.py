@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from ling2.config import Config
-from ling2.layers import attention_gla, attention_mla, moe
+from ling2.layers import attention_gla, attention_kda, attention_mla, moe
 from ling2.layers.decoder import DecoderOutput, build_decoder
 from ling2.layers.embed import Embed
 from ling2.layers.moe import bias_update
@@ -30,7 +30,7 @@ from ling2.layers.plan import layer_plan
 
 
 # Attention kind -> the module holding its FLOP count (matmul_params, mixing_flops).
-ATTENTION_FLOPS = {"gla": attention_gla, "mla": attention_mla}
+ATTENTION_FLOPS = {"gla": attention_gla, "kda": attention_kda, "mla": attention_mla}
 
 
 class LossSums(NamedTuple):

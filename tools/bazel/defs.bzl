@@ -16,16 +16,18 @@ def ling2_native_library(name, srcs, **kwargs):
     `data`, loaded with ctypes through `ling2.native.load`."""
     native.cc_binary(name = name, srcs = srcs, copts = ["-O3"], linkshared = True, **kwargs)
 
-_PLATFORMS = ("cpu", "tpu", "cuda")
+_PLATFORMS = ("cpu", "tpu", "cuda", "ling3")
 
-def ling2_py_tests(deps, srcs = None, data = [], size = "medium", sizes = {}, devices = {}, tags = {}, **kwargs):
+def ling2_py_tests(deps, srcs = None, data = [], size = "medium", sizes = {}, devices = {}, tags = {},
+                   platforms = {}, **kwargs):
     """One `ling2_py_test` per test file (default: every *_test.py of the package), named after it.
 
-    `sizes`, `devices` and `tags` map a test name to its own value; `size` is everyone else's. A file
-    `*_tpu_compile_test.py` / `*_cuda_compile_test.py` is a test of that platform's venv."""
+    `sizes`, `devices`, `tags` and `platforms` map a test name to its own value; `size` is everyone
+    else's. A file `*_tpu_compile_test.py` / `*_cuda_compile_test.py` is a test of that platform's
+    venv; `platforms` names others (e.g. "ling3": the test-only transformers 5.x venv)."""
     for src in (srcs if srcs != None else native.glob(["*_test.py"])):
         name = src[:-len(".py")]
-        platform = "cpu"
+        platform = platforms.get(name, "cpu")
         for p in _PLATFORMS:
             if name.endswith("_%s_compile_test" % p):
                 platform = p
@@ -45,8 +47,8 @@ def ling2_py_test(name, srcs, deps = [], data = [], devices = 0, env = {}, args 
       env: extra environment.
       args: extra pytest arguments.
       size: Bazel test size.
-      platform: the venv the test needs: "cpu" (the default suite), or "tpu" / "cuda" (tagged
-        so, run only by `bazel test --config=tpu|cuda`; see .bazelrc).
+      platform: the venv the test needs: "cpu" (the default suite), or "tpu" / "cuda" / "ling3"
+        (tagged so, run only by `bazel test --config=tpu|cuda|ling3`; see .bazelrc).
       tags: extra tags.
       **kwargs: passed to py_test.
     """

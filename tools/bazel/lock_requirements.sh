@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Regenerates the hash-pinned locks from requirements-{cpu,tpu,cuda}.in with uv:
-#   tools/bazel/lock_requirements.sh [cpu] [tpu] [cuda] [-- extra uv arguments]
-# (no platform: all three). The cpu lock is resolved first and keeps its current pins unless
+# Regenerates the hash-pinned locks from requirements-{cpu,tpu,cuda,ling3}.in with uv:
+#   tools/bazel/lock_requirements.sh [cpu] [tpu] [cuda] [ling3] [-- extra uv arguments]
+# (no platform: all four). The cpu lock is resolved first and keeps its current pins unless
 # asked otherwise (e.g. `-- --upgrade-package flax`); the tpu and cuda locks are constrained
 # to it, so every package they share has the same version (//tests:locks_test checks this).
+# ling3 (the test-only venv of the Ling 3 parity tests) is constrained to it too, except for
+# transformers 5.x and the hub packages it needs newer (LING3_OWN).
 # Target: CPython 3.11 on x86_64 Linux with glibc >= 2.31 (libtpu's floor), whatever the host.
 # uv comes from $UV, else PATH, else a private venv under ~/.cache/ling2 (pip install uv).
 # Wheel directories named in pip's find-links (PIP_FIND_LINKS or pip config) are searched too:
@@ -14,13 +16,14 @@ cd "$(dirname "$0")/../.."
 platforms=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do
   case "$1" in
-    cpu|tpu|cuda) platforms+=("$1") ;;
-    *) echo "lock_requirements.sh: unknown platform '$1' (expected cpu, tpu or cuda)" >&2; exit 2 ;;
+    cpu|tpu|cuda|ling3) platforms+=("$1") ;;
+    *) echo "lock_requirements.sh: unknown platform '$1' (expected cpu, tpu, cuda or ling3)" >&2; exit 2 ;;
   esac
   shift
 done
 [ "${1:-}" = "--" ] && shift
-[ ${#platforms[@]} -eq 0 ] && platforms=(cpu tpu cuda)
+[ ${#platforms[@]} -eq 0 ] && platforms=(cpu tpu cuda ling3)
+LING3_OWN="transformers|huggingface-hub|tokenizers"
 
 uv="${UV:-$(command -v uv || true)}"
 if [ -z "$uv" ]; then
@@ -38,7 +41,13 @@ common=(--generate-hashes --python-version 3.11 --python-platform x86_64-manylin
         --index-strategy unsafe-best-match --no-header --quiet)
 for p in "${platforms[@]}"; do
   extra=()
-  [ "$p" = cpu ] || extra=(-c requirements_lock_cpu.txt)
+  if [ "$p" = ling3 ]; then
+    constraints=$(mktemp)
+    grep -E '^[A-Za-z0-9]' requirements_lock_cpu.txt | sed 's/ .*//' | grep -ivE "^($LING3_OWN)==" > "$constraints"
+    extra=(-c "$constraints")
+  elif [ "$p" != cpu ]; then
+    extra=(-c requirements_lock_cpu.txt)
+  fi
   out="requirements_lock_$p.txt"
   echo "locking $p -> $out" >&2
   tmp=$(mktemp)

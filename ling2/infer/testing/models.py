@@ -1,5 +1,6 @@
 """Small random Ling2 models and an independent greedy oracle, for the generation tests."""
 
+import jax
 import numpy as np
 import jax.numpy as jnp
 from flax import nnx
@@ -40,3 +41,23 @@ def greedy_by_full_forward(model, prompt_list, n: int) -> list[list[int]]:
         for b, s in enumerate(seqs):
             s.append(int(np.argmax(logits[b, len(s) - 1])))
     return [s[len(p):] for s, p in zip(seqs, prompt_list)]
+
+
+def oracle_drafts(plain_ids, n, wrong):
+    """A `generation._draft` replacement proposing the plain greedy tokens (`n` per row), wrong where
+    wrong(row, count, depth)."""
+    table = np.zeros((len(plain_ids), n + 8), np.int32)
+    for b, r in enumerate(plain_ids):
+        table[b, :len(r)] = r
+
+    def draft(model, c, W, s, key, absorb):
+        K = len(c.mtp)
+        B = c.last.shape[0]
+        j = jnp.arange(1, K + 1)
+        idx = c.count[:, None] - 1 + j[None]  # generated index of x_{m+j}
+        d = jnp.take_along_axis(jnp.asarray(table), jnp.minimum(idx, table.shape[1] - 1), axis=1)
+        bad = wrong(jnp.arange(B)[:, None], c.count[:, None], j[None])
+        d = jnp.where(bad, (d + 1) % model.decoder.embed.embedding.shape[0], d)
+        return d.astype(jnp.int32), jax.nn.one_hot(d, model.decoder.embed.embedding.shape[0]), c.mtp
+
+    return draft

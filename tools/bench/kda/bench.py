@@ -7,9 +7,13 @@ temporaries alone, whose growth with T shows what the backward keeps (chunk stat
 K x V state per token for the naive scan's autodiff). A case planned above --mem_limit_gb is
 compiled but not run. Ratios are other / first backend's time from the same run.
 
+In the same run (first, so the table below is not its warm-up): the train step (forward + backward of
+the training objective) of ling3-small beside ling2-small, tokens/s and their ratio (--step_models).
+
 On an accelerator, e.g. `--backends pallas_gpu,chunked --dtype bfloat16 --batch 2 --heads 16 --ts 16384`.
 
-  bazel run //tools/bench/kda:bench -- [--ts 1024,4096,16384] [--backends chunked,naive] [--out FILE]
+  bazel run //tools/bench/kda:bench -- [--ts 1024,4096,16384] [--backends chunked,naive] [--step_models ling2-small,ling3-small]
+      [--out FILE]
 """
 
 import argparse
@@ -100,12 +104,29 @@ def memory_per_token(rows):
 
 
 def train_step_rows(args):
-    """Hook for issue 19's other half of this benchmark: train-step tokens/s of ling3-small beside ling2-small in
-    the same run (tools/bench/step `bench(model_name, seq)` times one model's jitted gradient). To be filled in
-    with the Ling 3 configs; until then --step_models is refused."""
-    if args.step_models:
-        raise SystemExit(f"--step_models={args.step_models}: the train-step comparison is not wired in yet")
-    return []
+    """Train-step tokens/s of each of --step_models (default ling2-small, ling3-small) at --step_seq, in this
+    run: tools/bench/step's `bench` times the jitted gradient of the training objective (main CE + MoE aux +
+    MTP) on random tokens. Each row gets its ratio to the first model's tokens/s."""
+    from tools.bench.step import bench as step_bench
+
+    models = [m for m in args.step_models.split(",") if m]
+    if not models:
+        return []
+    step_bench.FLAGS([step_bench.__file__, f"--batch={args.step_batch}", f"--iters={args.repeats}"])
+    rows = []
+    for m in models:
+        r = step_bench.bench(m, args.step_seq)
+        rows.append({k: r[k] for k in ("model", "seq", "dtype", "params_M", "step_s", "tokens_per_s", "cpu_mfu",
+                                       "planned_MiB")})
+    for r in rows:
+        r[f"tokens_per_s_vs_{models[0]}"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+    print(f"train step (forward + backward, B={args.step_batch}, S={args.step_seq}):")
+    print(f"{'model':>12} {'dtype':>9} {'params':>8} {'step':>10} {'tok/s':>9} {'vs ' + models[0]:>16} {'MFU':>6}")
+    for r in rows:
+        print(f"{r['model']:>12} {r['dtype']:>9} {r['params_M']:7.1f}M {r['step_s']:9.3f}s {r['tokens_per_s']:9.0f} "
+              f"{r[f'tokens_per_s_vs_{models[0]}']:15.2f}x {r['cpu_mfu']:6.1%}", flush=True)
+    print()
+    return rows
 
 
 def _print_row(r):
@@ -124,7 +145,10 @@ def main():
     p.add_argument("--dim", type=int, default=128, help="K = V head dim")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--mem_limit_gb", type=float, default=4.0, help="skip cases planned above this")
-    p.add_argument("--step_models", default="", help="(hook, not yet available) models for the train-step rows")
+    p.add_argument("--step_models", default="ling2-small,ling3-small",
+                   help="models whose train step is timed in the same run ('' skips); ratios to the first")
+    p.add_argument("--step_seq", type=int, default=1024, help="sequence length of the train-step rows")
+    p.add_argument("--step_batch", type=int, default=1, help="rows per train step")
     p.add_argument("--out", default="", help="JSON path (default: tools/bench/kda/results_<platform>.json under "
                    "the workspace with bazel run, else in the current directory)")
     args = p.parse_args()
