@@ -33,7 +33,7 @@ def _sig(a):
 
 def _np_layer(cfg, layer, x):
     """Whole layer in float64 numpy; one document per row."""
-    H, D, K, eps = cfg.num_query_heads, cfg.head_dim, cfg.kda_conv_kernel_size, cfg.normalization_layer_epsilon
+    K, eps = cfg.kda_conv_kernel_size, cfg.normalization_layer_epsilon
     p = {k: np.asarray(v[...], np.float64) for k, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
     Bx, Tx, _ = x.shape
     outs = []

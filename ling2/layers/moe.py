@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from ling2.layers import moe_ep, moe_experts, moe_router
+from ling2.layers import moe_ep, moe_experts, moe_gmm, moe_router
 from ling2.layers.moe_experts import Mlp
 from ling2.layers.moe_router import router_metrics, update_routed_bias
 
@@ -68,6 +68,8 @@ class MoE(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs, gmm: str | None = None):
         self.cfg = cfg
         self.gmm = gmm or cfg.moe_gmm_backend
+        if self.gmm not in moe_gmm.GMMS:
+            raise ValueError(f"gmm: unknown grouped matmul {self.gmm!r} (one of {moe_gmm.GMMS})")
         self.gate = moe_router.Router(cfg, rngs=rngs)
         self.experts = moe_experts.RoutedExperts(cfg, rngs=rngs)
         width = cfg.shared_experts * cfg.shared_expert_dim

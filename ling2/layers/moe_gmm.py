@@ -102,7 +102,7 @@ def _dot(a, b, ca: int, cb: int):
 
 def _tiled_swiglu_bwd(tile, res, dy_MD):
     x_MD, gs_E, wgu, wd, gu = res
-    M, F = x_MD.shape[0], wd.shape[1]
+    M = x_MD.shape[0]
     e_N, row0_N, nrows_N, n = _tiles(gs_E, tile, M)
     xp, dyp = jnp.pad(x_MD, ((0, tile), (0, 0))), jnp.pad(dy_MD, ((0, tile), (0, 0)))
 

@@ -78,8 +78,6 @@ def check_plan(cfg, topo, mesh) -> None:
 
 def plan(cfg, topo, log=print) -> dict:
     """Compiles the train step of `cfg` for `topo` and returns the plan (bytes per chip, FLOPs, times)."""
-    import jax
-
     from ling2.layers.model import count_params, training_flops_per_token
     from ling2.train.loop import abstract_batch, compile_train_step
     from ling2.train.runtime import make_mesh
