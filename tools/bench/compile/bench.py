@@ -31,7 +31,7 @@ PLANS = {
     "v5p-256": ("v5p-256", 1, ["ici_fsdp_parallelism=16", "ici_expert_parallelism=8", "per_device_batch_size=1",
                                "gradient_accumulation_steps=2", "remat_policy=full"]),
     "v6e-256": ("v6e-256", 1, ["ici_fsdp_parallelism=32", "ici_expert_parallelism=8", "per_device_batch_size=1",
-                               "gradient_accumulation_steps=1", "remat_policy=full"]),
+                               "gradient_accumulation_steps=4", "remat_policy=full"]),
 }
 BASELINE = {"v5p-64 full logits": "v5p-64"}
 
