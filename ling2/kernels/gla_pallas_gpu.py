@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ling2.kernels import vma
+from ling2.kernels.gpu_padding import pad_last, pad_state, pow2
 
 _HI = jax.lax.Precision.HIGHEST
 BLOCK_V = 64  # state columns per program
@@ -94,17 +95,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref, 
     dh0_ref[...] = jax.lax.fori_loop(0, N, body, dhT_ref[...])
 
 
-def _pow2(n):
-    return max(16, 1 << (n - 1).bit_length())
-
-
-def _pad_last(x, d):
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
-
-
-def _pad_state(x_BHKV, K, V):
-    return jnp.pad(x_BHKV.astype(jnp.float32), ((0, 0), (0, 0), (0, K - x_BHKV.shape[2]), (0, V - x_BHKV.shape[3])))
-
 
 def _call(kernel, args, outs, kinds, BV, interpret, num_warps=4):
     """Grid (B, H, V / BV). kinds[i] for each arg then output: "full" (whole [T, ...] per head),
@@ -140,10 +130,10 @@ def forward(q, k, v, aux, h0, scale, C, *, interpret=False, block_v=None):
     _check(C)
     B, H, T, K0 = q.shape
     V0 = v.shape[-1]
-    K, V = _pow2(K0), _pow2(V0)
+    K, V = pow2(K0), pow2(V0)
     BV = min(V, block_v or BLOCK_V)
     aux4 = (aux["b"], aux["doc"].astype(jnp.float32), aux["alpha"], aux["w"])
-    args = (_pad_last(q, K), _pad_last(k, K), _pad_last(v, V)) + aux4 + (_pad_state(h0, K, V),)
+    args = (pad_last(q, K), pad_last(k, K), pad_last(v, V)) + aux4 + (pad_state(h0, K, V),)
     outs = [vma.out_struct((B, H, T, V), q.dtype, q), vma.out_struct((B, H, K, V), jnp.float32, q)]
     kinds = ("full", "full", "v") + ("full",) * 4 + ("v", "v", "v")
     o_BHTV, hT_BHKV = _call(functools.partial(_fwd_kernel, scale=scale, C=C), args, outs, kinds, BV, interpret)
@@ -155,18 +145,18 @@ def backward(q, k, v, aux, h0, do, dhT, scale, C, *, interpret=False, block_v=No
     _check(C)
     B, H, T, K0 = q.shape
     V0 = v.shape[-1]
-    K, V = _pow2(K0), _pow2(V0)
+    K, V = pow2(K0), pow2(V0)
     BV = min(V, block_v or BLOCK_V)
     NV = V // BV
     f32 = jnp.float32
     aux4 = (aux["b"], aux["doc"].astype(f32), aux["alpha"], aux["w"])
-    qkvdo = (_pad_last(q, K), _pad_last(k, K), _pad_last(v, V), _pad_last(do, V))
+    qkvdo = (pad_last(q, K), pad_last(k, K), pad_last(v, V), pad_last(do, V))
     kinds_in = ("full", "full", "v", "v") + ("full",) * 4 + ("v",)
     part = vma.out_struct((NV, B, H, T, K), f32, q)
-    (dq_PBHTK,) = _call(functools.partial(_dq_kernel, scale=scale, C=C), qkvdo + aux4 + (_pad_state(h0, K, V),),
+    (dq_PBHTK,) = _call(functools.partial(_dq_kernel, scale=scale, C=C), qkvdo + aux4 + (pad_state(h0, K, V),),
                         [part], kinds_in + ("part",), BV, interpret)
     dk_PBHTK, dv_BHTV, dh0_BHKV = _call(
-        functools.partial(_dkdv_kernel, scale=scale, C=C), qkvdo + aux4 + (_pad_state(dhT, K, V),),
+        functools.partial(_dkdv_kernel, scale=scale, C=C), qkvdo + aux4 + (pad_state(dhT, K, V),),
         [part, vma.out_struct((B, H, T, V), f32, q), vma.out_struct((B, H, K, V), f32, q)],
         kinds_in + ("part", "v", "v"), BV, interpret)
     dq_BHTK, dk_BHTK = dq_PBHTK.sum(0), dk_PBHTK.sum(0)

@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ling2.kernels import kda_chunk_math as chunk
+from ling2.kernels.gpu_padding import pad_last, pad_state, pow2
 
 BLOCK_V = 64  # state columns per program
 
@@ -79,17 +80,6 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, b_ref, doc_ref, f_ref, l_ref
     dh0_ref[...] = jax.lax.fori_loop(0, N, body, dhT_ref[...])
 
 
-def _pow2(n):
-    return max(16, 1 << (n - 1).bit_length())
-
-
-def _pad_last(x, d):
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
-
-
-def _pad_state(x, K, V):
-    return jnp.pad(x.astype(jnp.float32), [(0, 0)] * (x.ndim - 2) + [(0, K - x.shape[-2]), (0, V - x.shape[-1])])
-
 
 def _call(kernel, args, outs, kinds, BV, interpret, num_warps=4):
     """Grid (B, H, V / BV). kinds[i] for each arg then output: "full" (whole per-head array), "doc" (a [B, T]
@@ -122,11 +112,11 @@ def _check(C):
 
 def _common(q, k, v, g, beta, aux, block_v):
     B, H, T, K0 = q.shape
-    K, V = _pow2(K0), _pow2(v.shape[-1])
+    K, V = pow2(K0), pow2(v.shape[-1])
     BV = min(V, block_v or BLOCK_V)
     f32 = jnp.float32
     vec = lambda x: x.astype(f32)[:, 0]  # [B, 1, T] -> [B, T]
-    qkvg = (_pad_last(q, K), _pad_last(k, K), _pad_last(v, V), _pad_last(g.astype(f32), K))
+    qkvg = (pad_last(q, K), pad_last(k, K), pad_last(v, V), pad_last(g.astype(f32), K))
     return qkvg, (beta.astype(f32),), (vec(aux["doc"]), vec(aux["first"]), vec(aux["last"])), K, V, BV
 
 
@@ -138,7 +128,7 @@ def forward(q, k, v, g, beta, aux, h0, scale, C, *, interpret=False, block_v=Non
     outs = [jax.ShapeDtypeStruct((B, H, T, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)]
     kinds = ("full", "full", "v", "full", "full", "doc", "doc", "doc", "v", "v", "v")
     o_BHTV, hT_BHKV = _call(functools.partial(_fwd_kernel, scale=scale, C=C, dt=q.dtype),
-                            qkvg + bt + docs + (_pad_state(h0, K, V),), outs, kinds, BV, interpret)
+                            qkvg + bt + docs + (pad_state(h0, K, V),), outs, kinds, BV, interpret)
     return o_BHTV[..., :V0], hT_BHKV[:, :, :K0, :V0].astype(h0.dtype)
 
 
@@ -151,12 +141,12 @@ def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C, *, interpret=False, b
     qkvg, bt, docs, K, V, BV = _common(q, k, v, g, beta, aux, block_v)
     NV = V // BV
     S_BHNKV = _call(functools.partial(_states_kernel, scale=scale, C=C, dt=q.dtype),
-                    qkvg + bt + docs + (_pad_state(h0, K, V),), [jax.ShapeDtypeStruct((B, H, N, K, V), f32)],
+                    qkvg + bt + docs + (pad_state(h0, K, V),), [jax.ShapeDtypeStruct((B, H, N, K, V), f32)],
                     ("full", "full", "v", "full", "full", "doc", "doc", "doc", "v", "v"), BV, interpret)[0]
     part = lambda *shape: jax.ShapeDtypeStruct((NV, B, H) + shape, f32)
     dq_PBHTK, dk_PBHTK, dv_BHTV, dg_PBHTK, dbeta_PBHT, dh0_BHKV = _call(
         functools.partial(_bwd_kernel, scale=scale, C=C, dt=q.dtype),
-        qkvg + (_pad_last(do, V),) + bt + docs + (S_BHNKV, _pad_state(dhT, K, V)),
+        qkvg + (pad_last(do, V),) + bt + docs + (S_BHNKV, pad_state(dhT, K, V)),
         [part(T, K), part(T, K), jax.ShapeDtypeStruct((B, H, T, V), f32), part(T, K), part(T),
          jax.ShapeDtypeStruct((B, H, K, V), f32)],
         ("full", "full", "v", "full", "v", "full", "doc", "doc", "doc", "v", "v",
