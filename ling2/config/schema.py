@@ -115,7 +115,8 @@ class MoE(_Group):
     capacity_factor: float = _f("<= 0: dropless. > 0: the dense path drops tokens past capacity.")
     sparse_matmul: bool = _f("True: sort + grouped matmul (dropless). False: dense einsum with capacity.")
     moe_gmm_backend: T.GmmBackend = _f(
-        "Dropless grouped matmul: 'ragged_dot', 'tiled' (fast on CPU), or 'auto' (tiled on CPU only).")
+        "Dropless grouped matmul: 'ragged_dot', 'tiled' (fast on CPU), 'megablox' (Pallas TPU kernels; "
+        "interpreted elsewhere), or 'auto' (tiled on CPU, megablox on TPU, ragged_dot on GPU).")
     load_balance_loss_weight: NonNegativeFloat = _f("Switch-style auxiliary load-balancing loss weight; 0 skips it.")
     moe_z_loss_weight: NonNegativeFloat = _f("ST-MoE router z-loss weight; 0 skips the computation.")
 

@@ -61,7 +61,7 @@ def matmul_params(cfg, active: bool = True) -> int:
 class MoE(nnx.Module):
     """Routed + shared SwiGLU experts. x_BSD -> (y_BSD, MoEAux).
 
-    `gmm` picks the dropless grouped matmul: "ragged_dot", "tiled" (fast on CPU), or
+    `gmm` picks the dropless grouped matmul: "ragged_dot", "tiled" (fast on CPU), "megablox", or
     "auto"/None (cfg.moe_gmm_backend; "auto": chosen for the platform lowered for).
     """
 
@@ -108,6 +108,9 @@ class MoE(nnx.Module):
                                        gmm=gmm)
         elif T * K <= E:  # decode-sized: gathering the chosen experts reads fewer weights than a grouped matmul
             y_BSD = moe_experts.gathered(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w).reshape(B, S, D)
+        elif not mesh.empty and mesh.size > 1:  # per-device grouped matmul: Pallas kernels cannot be partitioned
+            y_BSD = moe_ep.dropless_ep(x_BSD, experts_BSK, weights_BSK, w, mesh=mesh, rules=cfg.logical_axis_rules,
+                                       gmm=gmm)
         else:
             y_BSD = moe_experts.dropless(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w, gmm).reshape(B, S, D)
         if self.shared_experts is not None:

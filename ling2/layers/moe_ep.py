@@ -1,6 +1,9 @@
 """Expert parallelism: routed experts sharded over the `expert` mesh axis, tokens moved by all-to-all.
 
 Inside `shard_map`, each device holds T local tokens and E/n experts (n = size of `expert`).
+With n = 1 (no expert axis) the same body is the per-device grouped matmul of a multi-device
+mesh: the weights are gathered whole, the all-to-alls are no-ops, and the grouped matmul runs on
+local rows, as a Pallas kernel (megablox) must (XLA cannot partition it).
 It sorts its M = T*K assignments by expert, sends each expert shard its rows through a
 padded `all_to_all` ([n, M, D]: dropless, since one shard may receive every row), runs its
 experts on what it received, and sends the results back the same way.
@@ -77,7 +80,7 @@ def dropless_ep(x_BSD, experts_BSK, weights_BSK, w, *, mesh, rules, gmm: str):
     if E % n:
         raise ValueError(f"num_experts={E} is not divisible by the expert mesh axis ({n})")
     axes = batch_axes(mesh, rules, x_BSD.shape[0])
-    if "expert" not in axes:
+    if n > 1 and "expert" not in axes:
         raise ValueError(f"expert parallelism needs the batch ({x_BSD.shape[0]}) sharded over 'expert' by the "
                          f"activation_batch rule; it shards over {axes}")
     bspec = P(axes)
@@ -88,5 +91,8 @@ def dropless_ep(x_BSD, experts_BSK, weights_BSK, w, *, mesh, rules, gmm: str):
         y = _local(x.reshape(b * s, -1), e.reshape(b * s, -1), g.reshape(b * s, -1), (wg, wu, wd), n=n, gmm=gmm)
         return y.reshape(x.shape)
 
-    f = jax.shard_map(body, mesh=mesh, in_specs=(bspec, bspec, bspec, wspec, wspec, wspec), out_specs=bspec)
+    # check_vma=False: Pallas kernels (megablox) cannot state how their outputs vary over manual
+    # axes; the weights' gradients are then summed over the batch axes by shard_map's transpose.
+    f = jax.shard_map(body, mesh=mesh, in_specs=(bspec, bspec, bspec, wspec, wspec, wspec), out_specs=bspec,
+                      check_vma=False)
     return f(x_BSD, experts_BSK, weights_BSK, *w)

@@ -28,10 +28,13 @@ def loss_and_grads(m, x, ct):
     return y, counts, gm, gx
 
 
-@pytest.mark.parametrize("gmm,data,fsdp", [("tiled", 2, 1), ("ragged_dot", 2, 1), ("tiled", 1, 2)])
-def test_ep_forward_and_grads_equal_single_device(gmm, data, fsdp, monkeypatch):
+@pytest.mark.parametrize("gmm,data,expert,fsdp", [("tiled", 2, 4, 1), ("ragged_dot", 2, 4, 1), ("megablox", 2, 4, 1),
+                                                  ("tiled", 1, 4, 2), ("megablox", 2, 1, 4), ("tiled", 2, 1, 4)])
+def test_ep_forward_and_grads_equal_single_device(gmm, data, expert, fsdp, monkeypatch):
+    """expert=1: the same shard_map body as the per-device grouped matmul of a multi-device mesh."""
     assert jax.device_count() == 8
-    cfg = load_config(model_name="ling2-tiny", load_balance_loss_weight=0.01, moe_z_loss_weight=0.001)
+    cfg = load_config(model_name="ling2-tiny", load_balance_loss_weight=0.01, moe_z_loss_weight=0.001,
+                      base_moe_mlp_dim=128)  # megablox's tiles: multiples of 128
     m = MoE(cfg, rngs=nnx.Rngs(0), gmm=gmm)
     m.gate.expert_bias[...] = jax.random.normal(jax.random.key(3), (cfg.num_experts,)) * 0.05
     x = jax.random.normal(jax.random.key(1), (8, 4, cfg.emb_dim))
@@ -42,9 +45,9 @@ def test_ep_forward_and_grads_equal_single_device(gmm, data, fsdp, monkeypatch):
     traced = []
     real = moe_ep.dropless_ep
     monkeypatch.setattr(moe_ep, "dropless_ep", lambda *a, **k: traced.append(1) or real(*a, **k))
-    with jax.set_mesh(make_mesh(data=data, expert=4, fsdp=fsdp)):
+    with jax.set_mesh(make_mesh(data=data, expert=expert, fsdp=fsdp)):
         y8, c8, gm8, gx8 = step(m, x, ct)
-    assert traced  # the mesh step retraced and took the expert-parallel path
+    assert traced  # the mesh step retraced and took the shard_map path
 
     np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(c8, c1)

@@ -7,11 +7,18 @@ dim, F expert width.
   so on CPU a loop walks expert-pure tiles of the sorted rows, one [tile, D] x [D, 2F] and one
   [tile, F] x [F, D] matmul each; only tiles in use run, and a hand-written backward keeps
   the loop out of reverse-mode autodiff.
-  "auto": tiled when lowered for CPU, ragged_dot for any other platform, decided for the
-  platform the computation is lowered for (`jax.lax.platform_dependent`), not the host's: a CPU
-  host compiling for TPU builds what a TPU host would.
+  "megablox": the Pallas TPU grouped-matmul kernels JAX ships (megablox `gmm`/`tgmm`, MaxText's
+  TPU default). XLA:TPU lowers ragged_dot to grouped Mosaic kernels of its own, but counts them
+  dense over the local experts in its cost analysis (11x the grouped FLOPs at 32 experts), and
+  model_name=ling2's train step compiles several times slower with them (tools/bench/moe and
+  tools/bench/compile NOTES). Interpreted on CPU.
+  "auto": tiled on CPU, megablox on TPU (ragged_dot where the model dim and expert width share
+  no multiple of 128, as in test models), ragged_dot elsewhere (GPU), decided for the platform
+  the computation is lowered for (`jax.lax.platform_dependent`), not the host's: a CPU host
+  compiling for TPU builds what a TPU host would.
 """
 
+import math
 from functools import partial
 
 import jax
@@ -20,7 +27,7 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
-GMMS = ("auto", "ragged_dot", "tiled")
+GMMS = ("auto", "ragged_dot", "tiled", "megablox")
 
 
 def ffn_ragged_dot(x_MD, group_sizes_E, wg, wu, wd):
@@ -140,14 +147,50 @@ def ffn_tiled(x_MD, group_sizes_E, wg, wu, wd, tile: int = 128):
     return y.astype(x_MD.dtype)
 
 
+def megablox_tile(D: int, F: int, interpret: bool = False) -> int | None:
+    """Tile of megablox's contracted and output dims: the same for both (its backward swaps them),
+    dividing D and F, a multiple of 128 for Mosaic (any common divisor when interpreted). None if
+    Mosaic has none."""
+    for t in (512, 256, 128):
+        if D % t == 0 and F % t == 0:
+            return t
+    return math.gcd(D, F) if interpret else None
+
+
+def ffn_megablox(x_MD, group_sizes_E, wg, wu, wd, *, interpret: bool = False):
+    """Same contract as `ffn_ragged_dot`, by megablox's Pallas TPU kernels: rows are padded to a
+    multiple of the row tile. The kernels leave rows past sum(group_sizes) unwritten, forward and
+    backward, so those rows are zeroed after each matmul (their gradients too). Gate and up run
+    as one [D, 2F] matmul."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    (M, D), F = x_MD.shape, wd.shape[1]
+    t = megablox_tile(D, F, interpret)
+    if t is None:
+        raise ValueError(f"gmm: megablox needs the model dim ({D}) and expert width ({F}, per shard) to share a "
+                         "multiple of 128; use moe_gmm_backend=auto or ragged_dot")
+    tm = min(512, max(8, 1 << (M - 1).bit_length()))
+    gs = group_sizes_E.astype(jnp.int32)
+    valid = (jnp.arange(M + (-M % tm)) < gs.sum())[:, None]
+    live = lambda a: jnp.where(valid, a, 0)
+    mm = lambda a, b: live(gmm(a, b, gs, preferred_element_type=x_MD.dtype, tiling=(tm, t, t), interpret=interpret))
+    wgu = jnp.concatenate([wg, wu], axis=-1).astype(x_MD.dtype)
+    g, u = jnp.split(mm(live(jnp.pad(x_MD, ((0, valid.shape[0] - M), (0, 0)))), wgu), 2, axis=-1)
+    return mm(jax.nn.silu(g) * u, wd.astype(x_MD.dtype))[:M]
+
+
 def grouped_ffn(x_MD, group_sizes_E, w, gmm: str = "auto"):
     """Grouped SwiGLU of rows sorted by expert with weights w = (wg, wu, wd) by backend `gmm` (GMMS)."""
     if gmm == "auto":
-        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=ffn_tiled, default=ffn_ragged_dot)
+        tpu = ffn_megablox if megablox_tile(x_MD.shape[1], w[2].shape[1]) else ffn_ragged_dot
+        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=ffn_tiled, tpu=tpu, default=ffn_ragged_dot)
     if gmm == "ragged_dot":
         return ffn_ragged_dot(x_MD, group_sizes_E, *w)
     if gmm == "tiled":
         return ffn_tiled(x_MD, group_sizes_E, *w)
+    if gmm == "megablox":
+        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, tpu=ffn_megablox,
+                                          default=partial(ffn_megablox, interpret=True))
     raise ValueError(f"gmm: unknown grouped matmul {gmm!r} (one of {GMMS})")
 
 

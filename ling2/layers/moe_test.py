@@ -142,9 +142,9 @@ def test_softmax_vs_sigmoid_weights():
 
 # ---- full layer -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", ["tiled", "ragged_dot", "dense"])
+@pytest.mark.parametrize("path", ["tiled", "ragged_dot", "megablox", "dense"])
 def test_output_matches_numpy_loop(path):
-    cfg = tiny(sparse_matmul=path != "dense", capacity_factor=-1.0)
+    cfg = tiny(sparse_matmul=path != "dense", capacity_factor=-1.0, **({"base_moe_mlp_dim": 128} if path == "megablox" else {}))
     m = MoE(cfg, rngs=nnx.Rngs(0), gmm=None if path == "dense" else path)
     randomize_bias(m)
     x = jax.random.normal(jax.random.key(1), (2, 6, cfg.emb_dim))
@@ -355,6 +355,14 @@ def test_bad_gmm_name_is_an_error():
         call(MoE(tiny(), rngs=nnx.Rngs(0), gmm="nope"), jnp.zeros((1, 2, 128)))
 
 
+def test_megablox_needs_dims_sharing_a_multiple_of_128():
+    x, gs = jnp.zeros((16, 128)), jnp.array([16, 0], jnp.int32)
+    w = (jnp.zeros((2, 128, 64)), jnp.zeros((2, 128, 64)), jnp.zeros((2, 64, 128)))
+    with pytest.raises(ValueError, match=r"megablox needs the model dim \(128\) and expert width \(64"):
+        jax.jit(lambda x, *w: moe_gmm.grouped_ffn(x, gs, w, "megablox"))(x, *w)  # traced for every platform
+    assert moe_gmm.megablox_tile(2048, 512) == 512 and moe_gmm.megablox_tile(384, 128) == 128
+
+
 # ---- grouped matmul implementations ---------------------------------------------------------------
 
 def test_grouped_ffn_impls_and_grads_match_plain_reference():
@@ -378,8 +386,11 @@ def test_grouped_ffn_impls_and_grads_match_plain_reference():
     for m, e in enumerate(expert_of_row):
         want[m] = ref_swiglu(xn[m], wn[0][e], wn[1][e], wn[2][e])
     g_plain = jax.grad(lambda *a: jnp.sum(plain(*a) * ct), argnums=(0, 1, 2, 3))(x, *w)
-    for gmm in ("tiled", "ragged_dot"):
-        f = jax.jit(lambda x, *w: moe_gmm.grouped_ffn(x, gs, w, gmm))
+    impls = {"tiled": lambda x, *w: moe_gmm.grouped_ffn(x, gs, w, "tiled"),
+             "ragged_dot": lambda x, *w: moe_gmm.grouped_ffn(x, gs, w, "ragged_dot"),
+             "megablox": lambda x, *w: moe_gmm.ffn_megablox(x, gs, *w, interpret=True)}  # any dims interpreted
+    for gmm, impl in impls.items():
+        f = jax.jit(impl)
         np.testing.assert_allclose(f(x, *w), want, rtol=1e-4, atol=1e-4, err_msg=gmm)
         g = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * ct), argnums=(0, 1, 2, 3)))(x, *w)
         for a, b, name in zip(g, g_plain, ("x", "wg", "wu", "wd")):

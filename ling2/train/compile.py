@@ -79,7 +79,7 @@ def check_plan(cfg, topo, mesh) -> None:
 def plan(cfg, topo, log=print) -> dict:
     """Compiles the train step of `cfg` for `topo` and returns the plan (bytes per chip, FLOPs, times)."""
     from ling2.layers.model import count_params, training_flops_per_token
-    from ling2.train.loop import abstract_batch, compile_train_step
+    from ling2.train.loop import abstract_batch, compile_train_step, host_peak_rss_bytes
     from ling2.train.runtime import make_mesh
     from ling2.train.state import abstract_state
 
@@ -109,9 +109,11 @@ def plan(cfg, topo, log=print) -> dict:
     out["params_bytes"] = _tree_bytes((state.params, state.rest))
     out["opt_state_bytes"] = _tree_bytes((state.opt_state, state.step, state.skipped, state.skipped_total))
     out["batch_bytes"] = _tree_bytes(abstract_batch(cfg, mesh))
+    out["host_peak_rss_abstract_bytes"] = host_peak_rss_bytes()
     t0 = time.perf_counter()
+    phases = {}
     try:
-        compiled, state = compile_train_step(cfg, mesh, abstract)
+        compiled, state = compile_train_step(cfg, mesh, abstract, phases)
     except Exception as e:  # noqa: BLE001 - XLA reports a program over HBM as a compile error
         over = hbm_overflow(str(e))
         if over is None:
@@ -119,11 +121,12 @@ def plan(cfg, topo, log=print) -> dict:
         what, used, avail = over
         if what == "temporaries":  # the state and batch come on top
             used += out["params_bytes"] + out["opt_state_bytes"] + out["batch_bytes"]
-        out.update(compile_s=time.perf_counter() - t0, total_bytes=int(used), fits=False,
+        out.update(phases, compile_s=time.perf_counter() - t0, host_peak_rss_bytes=host_peak_rss_bytes(),
+                   total_bytes=int(used), fits=False,
                    xla_oom=str(e).splitlines()[0][:500], xla_available_hbm_bytes=int(avail))
         log(f"XLA: {out['xla_oom']}")
         return out
-    out["compile_s"] = time.perf_counter() - t0
+    out.update(phases, compile_s=time.perf_counter() - t0, host_peak_rss_bytes=host_peak_rss_bytes())
     mem = compiled.memory_analysis()
     field = lambda f: int(getattr(mem, f, 0) or 0)
     for f in ("argument", "output", "temp", "alias", "generated_code"):
@@ -151,7 +154,13 @@ def plan(cfg, topo, log=print) -> dict:
 def table(p: dict) -> str:
     """The per-chip plan as text (the verdict line is printed apart)."""
     g = lambda b: f"{b / GiB:9.2f} GiB"
-    rows = [("compile time", f"{p['compile_s']:9.1f} s")]
+    rows = [("compile time (lowering + XLA)", f"{p['compile_s']:9.1f} s"
+             + (f"  (lowering {p['lower_s']:.1f} s)" if "lower_s" in p else ""))]
+    if "host_peak_rss_bytes" in p:
+        rows += [("host peak RSS", g(p["host_peak_rss_bytes"])),
+                 ("  with abstract state built", g(p["host_peak_rss_abstract_bytes"]))]
+        if "host_peak_rss_lowered_bytes" in p:
+            rows += [("  once lowered (before XLA)", g(p["host_peak_rss_lowered_bytes"]))]
     if "argument_bytes" in p:
         other = p["argument_bytes"] - p["params_bytes"] - p["opt_state_bytes"] - p["batch_bytes"]
         rows += [

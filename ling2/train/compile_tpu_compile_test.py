@@ -24,7 +24,8 @@ def run_plan(name, num_slices=1, **kw):
 
 
 def check_plan(p):
-    assert p["fits"] and p["compile_s"] > 0
+    assert p["fits"] and p["compile_s"] > p["lower_s"] > 0
+    assert p["host_peak_rss_bytes"] >= p["host_peak_rss_lowered_bytes"] >= p["host_peak_rss_abstract_bytes"] > 0
     assert p["argument_bytes"] >= p["params_bytes"] + p["opt_state_bytes"] + p["batch_bytes"]
     assert p["opt_state_bytes"] > 1.9 * p["params_bytes"]  # Adam's mu and nu in the parameters' shardings
     # XLA counts the accumulation loop's body once; x M it is the step's: the model's FLOPs, full

@@ -9,6 +9,7 @@ steps.
 
 import dataclasses
 import os
+import resource
 import signal
 import tempfile
 import time
@@ -67,13 +68,23 @@ def abstract_batch(cfg, mesh) -> dict:
     return out
 
 
-def compile_train_step(cfg, mesh, abstract=None):
+def host_peak_rss_bytes() -> int:
+    """This process's peak resident set so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def compile_train_step(cfg, mesh, abstract=None, phases: dict | None = None):
     """The trainer's own step, lowered and compiled against abstract state and batch (nothing is
-    materialised). `abstract`: `abstract_state(cfg, mesh)` if already built. Returns (compiled,
-    abstract TrainState)."""
+    materialised). `abstract`: `abstract_state(cfg, mesh)` if already built. `phases`, if given,
+    gets the lowering's seconds and the host's peak RSS once lowered (before XLA compiles).
+    Returns (compiled, abstract TrainState)."""
     gd, tx, sched, state = abstract or abstract_state(cfg, mesh)
     with use_mesh(mesh, cfg.logical_axis_rules):
-        compiled = step_lib.jit_train_step(gd, tx, cfg, sched).lower(state, abstract_batch(cfg, mesh)).compile()
+        t0 = time.perf_counter()
+        lowered = step_lib.jit_train_step(gd, tx, cfg, sched).lower(state, abstract_batch(cfg, mesh))
+        if phases is not None:
+            phases.update(lower_s=time.perf_counter() - t0, host_peak_rss_lowered_bytes=host_peak_rss_bytes())
+        compiled = lowered.compile()
     return compiled, state
 
 

@@ -2,7 +2,8 @@
 >= 1M tokens per step on v5p-64, v5p-256 and v6e-256, through `//ling2/train:compile` (the
 trainer's own step, the real XLA:TPU compiler, on this CPU host). Each plan runs in its own
 process, one after another; the table gives per chip what XLA plans, the host's peak RSS of that
-process, and the full-logits loss (loss_vocab_blocks=0) beside the vocab-blocked one as a ratio.
+process (and once the step is lowered, before XLA compiles it), and the full-logits loss
+(loss_vocab_blocks=0) beside the vocab-blocked one as a ratio.
 
   bazel run --config=tpu //tools/bench/compile:bench -- [--only NAME ...] [--out FILE]
 """
@@ -76,7 +77,7 @@ def main():
 def table(results) -> str:
     by = {r["name"]: r for r in results}
     cols = ["plan", "mesh (d,f,e,t)", "M x b", "params", "opt", "temp", "total GiB", "HBM", "fits", "compile s",
-            "RSS GB", "step s", "MFU", "total vs"]
+            "RSS GB", "RSS lowered", "step s", "MFU", "total vs"]
     rows = []
     for r in results:
         if "total_bytes" not in r:
@@ -89,6 +90,7 @@ def table(results) -> str:
             f"{r['gradient_accumulation_steps']} x {r['micro_batch_seqs']}", g("params_bytes"), g("opt_state_bytes"),
             g("temp_bytes"), g("total_bytes"), g("hbm_bytes"), "yes" if r["fits"] else "no",
             f"{r['compile_s']:.0f}", f"{r['host_rss_bytes'] / 1e9:.2f}" if "host_rss_bytes" in r else "-",
+            f"{r['host_peak_rss_lowered_bytes'] / 1e9:.2f}" if "host_peak_rss_lowered_bytes" in r else "-",
             f"{r['step_s_at_peak']:.2f}" if "step_s_at_peak" in r else "-",
             f"{100 * r['mfu_at_peak']:.0f}%" if "mfu_at_peak" in r else "-",
             f"{r['total_bytes'] / base['total_bytes']:.2f}x {base['name']}" if base and "total_bytes" in base else "",

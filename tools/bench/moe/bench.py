@@ -11,6 +11,7 @@ On CPU the dropless path uses the tiled grouped matmul; --ragged_dot also times
 jax.lax.ragged_dot, which XLA:CPU expands to a dense masked product (E times the work).
 
   bazel run //tools/bench/moe:bench -- [--batch 4 --seq 512] [--dtype float32] [--repeats 3] [--out FILE]
+  bazel run --config=tpu //tools/bench/moe:bench -- --tpu_compile [--out FILE]   # backends compiled for v5p
 """
 
 import argparse
@@ -80,6 +81,52 @@ def time_round_robin(fns, repeats):
     return [float(np.median(t)) for t in times]
 
 
+def tpu_compile(out: str):
+    """The grouped SwiGLU alone, forward+backward, compiled for one v5p chip (the real XLA:TPU +
+    Mosaic compiler on any host; tpu venv) per backend, at model_name=ling2's per-device
+    expert-parallel shape (8 x 32,768 rows received, D 2048, F 512) with 32 local experts (expert
+    axis 8) and with 8: XLA's FLOPs against the grouped count, temporaries, code, compile time."""
+    from ling2 import topology
+    from ling2.layers import moe_gmm
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(topology.devices("v5p-8")[:1]), ("d",))
+    s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P()))
+    M, D, F = 8 * 32768, 2048, 512
+    grouped = 3 * 2 * M * D * 3 * F
+    rows = []
+    for E in (32, 8):
+        for gmm in ("megablox", "ragged_dot"):
+            def loss(x, gs, wg, wu, wd):
+                return jnp.sum(moe_gmm.grouped_ffn(x, gs, (wg, wu, wd), gmm).astype(jnp.float32) ** 2)
+            args = (s((M, D), jnp.bfloat16), s((E,), jnp.int32), s((E, D, F), jnp.bfloat16),
+                    s((E, D, F), jnp.bfloat16), s((E, F, D), jnp.bfloat16))
+            t0 = time.perf_counter()
+            c = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4))).lower(*args).compile()
+            sec = time.perf_counter() - t0
+            cost = c.cost_analysis()
+            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+            mem = c.memory_analysis()
+            rows.append({"gmm": gmm, "local_experts": E, "xla_flops": cost["flops"],
+                         "xla_flops_vs_grouped": cost["flops"] / grouped, "temp_mib": mem.temp_size_in_bytes / 2**20,
+                         "code_mib": mem.generated_code_size_in_bytes / 2**20, "compile_s": sec,
+                         "mosaic_calls": c.as_text().count('custom_call_target="tpu_custom_call"')})
+    print(f"grouped SwiGLU fwd+bwd compiled for v5p, M={M} D={D} F={F} bf16; grouped count {grouped:.3g} FLOPs")
+    print(f"{'gmm':<12}{'experts':>8}{'XLA FLOPs':>12}{'vs grouped':>11}{'temp MiB':>10}{'code MiB':>10}"
+          f"{'compile s':>10}{'Mosaic':>8}")
+    for r in rows:
+        print(f"{r['gmm']:<12}{r['local_experts']:>8}{r['xla_flops']:>12.3g}{r['xla_flops_vs_grouped']:>11.2f}"
+              f"{r['temp_mib']:>10.0f}{r['code_mib']:>10.2f}{r['compile_s']:>10.1f}{r['mosaic_calls']:>8}")
+    result = {"bench": "moe_tpu_compile", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "host": platform.node(), "load_avg": os.getloadavg(), "jax": jax.__version__,
+              "shape": {"M": M, "D": D, "F": F}, "grouped_flops": grouped, "rows": rows}
+    out = user_path(out) if out else os.path.join(os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd()),
+                                                  "moe_bench_tpu_compile.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=4)
@@ -89,7 +136,11 @@ def main():
     p.add_argument("--capacity_factor", type=float, default=1.25, help="of the dense capacity path")
     p.add_argument("--ragged_dot", action="store_true", help="also time jax.lax.ragged_dot (slow on CPU)")
     p.add_argument("--out", default="", help="JSON path (default: moe_bench_<platform>.json in the workspace or cwd)")
+    p.add_argument("--tpu_compile", action="store_true",
+                   help="compile the grouped matmul backends for a v5p chip instead (tpu venv: --config=tpu)")
     a = p.parse_args()
+    if a.tpu_compile:
+        return tpu_compile(a.out)
 
     on_cpu = jax.default_backend() == "cpu"
     over = {"dtype": a.dtype} if a.dtype else ({"dtype": "float32"} if on_cpu else {})
