@@ -74,6 +74,6 @@ def ling2_py_test(name, srcs, deps = [], data = [], devices = 0, env = {}, args 
     )
 
 def ling2_bench(deps, **kwargs):
-    """A benchmark package's `bench` binary (bench.py), with the shared memory helper."""
-    native.py_binary(name = "bench", srcs = ["bench.py"], deps = deps + ["//tools/bench:memory"],
+    """A benchmark package's `bench` binary (bench.py), with the shared report helpers."""
+    native.py_binary(name = "bench", srcs = ["bench.py"], deps = deps + ["//tools/bench:report"],
                      python_version = "PY3", **kwargs)

@@ -15,10 +15,7 @@ causal) and flash-linear-attention's Triton chunk_simple_gla (torch) when import
 """
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import time
 
 import jax
@@ -26,8 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling2.kernels import gla
-from ling2.config.paths import user_path
-from tools.bench.memory import planned_bytes
+from tools.bench.report import host_facts, planned_bytes, results_path
 
 
 def _planned_bytes(compiled):
@@ -196,16 +192,11 @@ def main():
     print("\nratio = impl time / " + ("pallas_gpu" if args.gpu else "chunked") + " time (same run):")
     for T, mode, impl, ratio in ratios:
         print(f"{T:>6} {mode:>8} {impl:>22} {ratio:8.2f}x")
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
-              "cpu_count": os.cpu_count(), "host": platform.processor() or platform.machine(),
-              "jax": jax.__version__, "rows": rows}
+    result = {**host_facts(), "rows": rows}
     if not args.gpu:
         print("\nforward bound (chunked >= 5x naive needs this fraction of the dense matmul rate):")
         result["forward_bound"] = forward_bound(rows)
-    name = f"results_{jax.default_backend()}.json"
-    ws = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
-    out = user_path(args.out) if args.out else (os.path.join(ws, "tools", "bench", "gla", name) if ws else name)
+    out = results_path(args.out, "gla", f"results_{jax.default_backend()}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\nwrote {out}")

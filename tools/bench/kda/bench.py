@@ -17,19 +17,15 @@ On an accelerator, e.g. `--backends pallas_gpu,chunked --dtype bfloat16 --batch 
 """
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ling2.config.paths import user_path
 from ling2.kernels import kda
-from tools.bench.memory import planned_bytes
+from tools.bench.report import host_facts, planned_bytes, results_path
 
 
 def _time(fn, args, repeats, slow_seconds=2.0):
@@ -168,15 +164,10 @@ def main():
         if key in r and r["impl"] != args.backends[0]:
             print(f"{r['T']:>6} {r['mode']:>8} {r['impl']:>10} {r[key]:8.2f}x")
     print("\nmemory:")
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
-              "cpu_count": os.cpu_count(), "host": platform.processor() or platform.machine(),
-              "load_avg": os.getloadavg(), "jax": jax.__version__,
+    result = {**host_facts(),
               "shape": {"B": args.batch, "H": args.heads, "K": args.dim, "V": args.dim, "dtype": args.dtype},
               "rows": rows, "temp_mb_per_1k_tokens": memory_per_token(rows), "train_step": step_rows}
-    name = f"results_{jax.default_backend()}.json"
-    ws = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
-    out = user_path(args.out) if args.out else (os.path.join(ws, "tools", "bench", "kda", name) if ws else name)
+    out = results_path(args.out, "kda", f"results_{jax.default_backend()}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\nwrote {out}")

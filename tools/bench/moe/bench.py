@@ -15,10 +15,7 @@ jax.lax.ragged_dot, which XLA:CPU expands to a dense masked product (E times the
 """
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import time
 
 import jax
@@ -27,10 +24,9 @@ import numpy as np
 from flax import nnx
 
 from ling2.config import load_config
-from ling2.config.paths import user_path
 from ling2.layers.moe import MoE
 from ling2.layers.moe_experts import Mlp
-from tools.bench.memory import planned_bytes
+from tools.bench.report import host_facts, planned_bytes, results_path, time_round_robin
 
 
 def _planned(compiled):
@@ -70,17 +66,6 @@ def compile_case(module, x, ct):
     return lambda: compiled(state, x, ct), _planned(compiled)
 
 
-def time_round_robin(fns, repeats):
-    """Median seconds per case; cases alternate so load from other processes hits all alike."""
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[i].append(time.perf_counter() - t0)
-    return [float(np.median(t)) for t in times]
-
-
 def tpu_compile(out: str):
     """The grouped SwiGLU alone, forward+backward, compiled for one v5p chip (the real XLA:TPU +
     Mosaic compiler on any host; tpu venv) per backend, at model_name=ling2's per-device
@@ -117,11 +102,9 @@ def tpu_compile(out: str):
     for r in rows:
         print(f"{r['gmm']:<12}{r['local_experts']:>8}{r['xla_flops']:>12.3g}{r['xla_flops_vs_grouped']:>11.2f}"
               f"{r['temp_mib']:>10.0f}{r['code_mib']:>10.2f}{r['compile_s']:>10.1f}{r['mosaic_calls']:>8}")
-    result = {"bench": "moe_tpu_compile", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "host": platform.node(), "load_avg": os.getloadavg(), "jax": jax.__version__,
+    result = {"bench": "moe_tpu_compile", **host_facts(), "target": "v5p (compile-only)",
               "shape": {"M": M, "D": D, "F": F}, "grouped_flops": grouped, "rows": rows}
-    out = user_path(out) if out else os.path.join(os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd()),
-                                                  "moe_bench_tpu_compile.json")
+    out = results_path(out, "moe", "results_tpu_compile.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")
@@ -135,7 +118,8 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--capacity_factor", type=float, default=1.25, help="of the dense capacity path")
     p.add_argument("--ragged_dot", action="store_true", help="also time jax.lax.ragged_dot (slow on CPU)")
-    p.add_argument("--out", default="", help="JSON path (default: moe_bench_<platform>.json in the workspace or cwd)")
+    p.add_argument("--out", default="",
+                   help="JSON path (default: tools/bench/moe/results_<platform>.json under bazel run, else cwd)")
     p.add_argument("--tpu_compile", action="store_true",
                    help="compile the grouped matmul backends for a v5p chip instead (tpu venv: --config=tpu)")
     a = p.parse_args()
@@ -178,14 +162,11 @@ def main():
         print(f"{r['case']:<22}{r['ms']:>10.1f}{r['tokens_per_s']:>12.0f}{r['gflops']:>10.1f}"
               f"{r['ratio_vs_dense_matmul']:>8.2f}{mb:>12}")
 
-    result = {"bench": "moe", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-              "host": platform.node(), "cpu_count": os.cpu_count(),
+    result = {"bench": "moe", **host_facts(),
               "config": {"model": "ling2-small", "D": D, "E": E, "K": K, "F": F, "shared": Fs, "batch": a.batch,
                          "seq": a.seq, "dtype": cfg.dtype, "capacity_factor": a.capacity_factor},
               "useful_gflop_per_step": flops / 1e9, "rows": rows}
-    out = user_path(a.out) if a.out else os.path.join(os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd()),
-                                f"moe_bench_{jax.default_backend()}.json")
+    out = results_path(a.out, "moe", f"results_{jax.default_backend()}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")

@@ -21,7 +21,7 @@ from absl import app, flags
 from flax import nnx
 
 from ling2.config.paths import user_path
-from tools.bench.memory import planned_bytes
+from tools.bench.report import planned_bytes
 
 flags.DEFINE_string("out", "step_bench.json", "JSON output (relative: the working directory).")
 flags.DEFINE_list("models", ["ling2-tiny", "ling2-small"], "Models.")

@@ -22,7 +22,7 @@ import numpy as np
 from absl import app, flags
 
 from ling2.config.paths import user_path
-from tools.bench.memory import planned_bytes
+from tools.bench.report import planned_bytes
 
 flags.DEFINE_string("out", "train_bench.json", "JSON output path (relative: the working directory).")
 flags.DEFINE_integer("steps", 10, "Timed steps per model.")

@@ -19,10 +19,7 @@ with the tokens sharded over fsdp and, separately, the vocab over tensor.
 """
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import time
 
 import jax
@@ -30,10 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ling2.config.paths import user_path
 from ling2.config.schema import MESH_AXES
 from ling2.layers import losses, sharding
-from tools.bench.memory import planned_bytes
+from tools.bench.report import host_facts, planned_bytes, results_path, time_round_robin
 
 RULES = [("activation_batch", ["data", "fsdp", "expert"]), ("activation_length", None),
          ("activation_embed", None), ("activation_vocab", ["tensor"]), ("embed", ["fsdp"]), ("vocab", ["tensor"])]
@@ -79,17 +75,6 @@ def compile_case(f, mesh, args):
                "compile_s": secs}
 
 
-def time_round_robin(fns, repeats):
-    """Median seconds per case; cases alternate so load from other processes hits all alike."""
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[i].append(time.perf_counter() - t0)
-    return [float(np.median(t)) for t in times]
-
-
 def max_rel_err(got, ref):
     """|got - ref| of the loss, and the largest of d hidden / d kernel, each over ref's largest magnitude."""
     (v1, (dx1, dk1)), (v0, (dx0, dk0)) = got, ref
@@ -119,7 +104,8 @@ def main():
                    help="which cases to time (small: all but the first); TPU targets are never timed")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--target", default="cpu", help="cpu (this host's devices) or tpu:<topology>, e.g. tpu:v5p:2x2x1")
-    p.add_argument("--out", default="", help="JSON path (default: xent_bench_<target>.json in the workspace or cwd)")
+    p.add_argument("--out", default="",
+                   help="JSON path (default: tools/bench/xent/results_<target>.json under bazel run, else cwd)")
     a = p.parse_args()
     try:
         cases = parse_cases(a.cases)
@@ -188,13 +174,10 @@ def main():
                   f"{r['loss_rel_err']:.1e}, d hidden {r['d_hidden_rel_err']:.1e}, d kernel {r['d_kernel_rel_err']:.1e} "
                   f"(max |diff| / max |full|)")
 
-    result = {"bench": "xent", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "target": a.target, "device": dev, "host": platform.node(), "cpu_count": os.cpu_count(),
-              "jax": jax.__version__, "config": {"num_blocks": a.num_blocks, "dtype": dt.name, "repeats": a.repeats},
+    result = {"bench": "xent", **host_facts(), "target": a.target, "device": dev, "config": {"num_blocks": a.num_blocks, "dtype": dt.name, "repeats": a.repeats},
               "rows": rows}
     tag = a.target.replace(":", "_")
-    out = user_path(a.out) if a.out else os.path.join(os.environ.get("BUILD_WORKSPACE_DIRECTORY", os.getcwd()),
-                                                       f"xent_bench_{tag}.json")
+    out = results_path(a.out, "xent", f"results_{tag}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")

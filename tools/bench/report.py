@@ -1,0 +1,48 @@
+"""What the benchmarks report, one way: XLA's planned device memory, round-robin timing, the
+host's facts, and where a results JSON goes."""
+
+import datetime
+import os
+import platform
+import time
+
+from ling2.config.paths import user_path
+
+
+def planned_bytes(mem) -> int:
+    """Arguments + outputs + temporaries - aliased (donated) bytes of `compiled.memory_analysis()`."""
+    return int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+               - mem.alias_size_in_bytes)
+
+
+def time_round_robin(fns, repeats: int) -> list[float]:
+    """Median seconds per case; cases alternate so load from other processes hits all alike."""
+    import jax
+    import numpy as np
+
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[i].append(time.perf_counter() - t0)
+    return [float(np.median(t)) for t in times]
+
+
+def host_facts() -> dict:
+    """Date, host, cores, load and JAX's device: what a result needs to be compared later."""
+    import jax
+
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(), "machine": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(), "jax": jax.__version__,
+            "platform": jax.default_backend(), "device": str(jax.devices()[0].device_kind)}
+
+
+def results_path(out: str, package: str, name: str) -> str:
+    """`out` (relative to where the user ran bazel), else `name` in tools/bench/<package> of the
+    workspace under `bazel run`, else `name` in the working directory."""
+    if out:
+        return str(user_path(out))
+    ws = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
+    return os.path.join(ws, "tools", "bench", package, name) if ws else name
