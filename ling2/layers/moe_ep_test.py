@@ -14,8 +14,8 @@ from ling2.layers import moe_ep
 from ling2.layers.moe import MoE
 
 
-def make_mesh(data, expert, fsdp=1):
-    devices = np.asarray(jax.devices()[: data * fsdp * expert]).reshape(data, fsdp, expert, 1)
+def make_mesh(data, expert, fsdp=1, tensor=1):
+    devices = np.asarray(jax.devices()[: data * fsdp * expert * tensor]).reshape(data, fsdp, expert, tensor)
     return Mesh(devices, ("data", "fsdp", "expert", "tensor"), axis_types=(AxisType.Auto,) * 4)
 
 
@@ -54,6 +54,26 @@ def test_ep_forward_and_grads_equal_single_device(gmm, data, expert, fsdp, monke
     np.testing.assert_allclose(gx8, gx1, rtol=1e-4, atol=1e-6)
     for (path, a), (_, b) in zip(nnx.to_flat_state(gm8), nnx.to_flat_state(gm1)):
         assert np.abs(np.asarray(b[...])).max() > 0 or "bias" in str(path), path
+        np.testing.assert_allclose(a[...], b[...], rtol=1e-4, atol=1e-6, err_msg=str(path))
+
+
+def test_tensor_parallel_experts_without_expert_axis_are_partitioned_by_xla(monkeypatch):
+    """No shard_map (XLA splits the experts' width over `tensor`); equal to one device; an explicit
+    megablox, which XLA cannot partition, is refused by name."""
+    cfg = load_config(model_name="ling2-tiny", base_moe_mlp_dim=128)
+    m = MoE(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (8, 4, cfg.emb_dim))
+    ct = jax.random.normal(jax.random.key(2), x.shape)
+    step = nnx.jit(loss_and_grads)
+    y1, _, gm1, gx1 = step(m, x, ct)
+    monkeypatch.setattr(moe_ep, "dropless_ep", lambda *a, **k: pytest.fail("took the shard_map path"))
+    with jax.set_mesh(make_mesh(data=4, expert=1, tensor=2)):
+        y8, _, gm8, gx8 = step(m, x, ct)
+        with pytest.raises(ValueError, match="megablox: a tensor-parallel mesh"):
+            step(MoE(cfg, rngs=nnx.Rngs(0), gmm="megablox"), x, ct)
+    np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gx8, gx1, rtol=1e-4, atol=1e-6)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(gm8), nnx.to_flat_state(gm1)):
         np.testing.assert_allclose(a[...], b[...], rtol=1e-4, atol=1e-6, err_msg=str(path))
 
 

@@ -13,7 +13,8 @@ dim, F expert width.
   model_name=ling2's train step compiles several times slower with them (tools/bench/moe and
   tools/bench/compile NOTES). Interpreted on CPU.
   "auto": tiled on CPU, megablox on TPU (ragged_dot where the model dim and expert width share
-  no multiple of 128, as in test models), ragged_dot elsewhere (GPU), decided for the platform
+  no multiple of 128, as in test models, or where XLA partitions the call: SPMD_AUTO),
+  ragged_dot elsewhere (GPU), decided for the platform
   the computation is lowered for (`jax.lax.platform_dependent`), not the host's: a CPU host
   compiling for TPU builds what a TPU host would.
 """
@@ -28,6 +29,7 @@ F32 = jnp.float32
 
 
 GMMS = ("auto", "ragged_dot", "tiled", "megablox")
+SPMD_AUTO = "auto_partitioned"  # "auto" where XLA partitions the call: no Pallas kernel (ragged_dot on TPU)
 
 
 def ffn_ragged_dot(x_MD, group_sizes_E, wg, wu, wd):
@@ -184,6 +186,8 @@ def grouped_ffn(x_MD, group_sizes_E, w, gmm: str = "auto"):
     if gmm == "auto":
         tpu = ffn_megablox if megablox_tile(x_MD.shape[1], w[2].shape[1]) else ffn_ragged_dot
         return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=ffn_tiled, tpu=tpu, default=ffn_ragged_dot)
+    if gmm == SPMD_AUTO:
+        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=ffn_tiled, default=ffn_ragged_dot)
     if gmm == "ragged_dot":
         return ffn_ragged_dot(x_MD, group_sizes_E, *w)
     if gmm == "tiled":

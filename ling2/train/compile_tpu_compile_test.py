@@ -119,3 +119,23 @@ print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 10
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["params"] > 17e9 and r["hlo"] > 1e6
     assert r["rss"] < 4 * 10**9, r
+
+
+@pytest.mark.parametrize("mesh,megablox", [(dict(ici_fsdp_parallelism=4), True),
+                                           (dict(ici_fsdp_parallelism=2, ici_tensor_parallelism=2), False)])
+def test_moe_without_expert_axis(mesh, megablox, monkeypatch):
+    """fsdp only: the grouped matmul runs per device in shard_map as megablox's Mosaic kernels; with
+    tensor parallelism XLA partitions the experts, so `auto` takes ragged_dot (no Pallas kernel)."""
+    seen = {}
+    real = loop.compile_train_step
+
+    def spy(cfg, mesh, *a):
+        compiled, state = real(cfg, mesh, *a)
+        seen["hlo"] = compiled.as_text()
+        return compiled, state
+
+    monkeypatch.setattr(loop, "compile_train_step", spy)
+    p, _ = run_plan("v5p-8", base_emb_dim=128, base_moe_mlp_dim=128, **mesh)  # megablox tiles: multiples of 128
+    assert p["fits"]
+    assert ("jit(gmm)/pallas_call" in seen["hlo"]) == megablox
+    assert (" ragged-dot(" in seen["hlo"] or "ragged-dot-none" in seen["hlo"]) != megablox
