@@ -112,14 +112,9 @@ class MoE(nnx.Module):
             # per-device grouped matmul: XLA cannot partition a Pallas kernel (megablox)
             y_BSD = moe_ep.dropless_ep(x_BSD, experts_BSK, weights_BSK, w, mesh=mesh, rules=cfg.logical_axis_rules,
                                        gmm=gmm)
-        else:
-            if not mesh.empty and mesh.size > 1:  # tensor-parallel experts, partitioned by XLA: no Pallas kernel
-                if gmm == "megablox":
-                    raise ValueError("moe_gmm_backend=megablox: a tensor-parallel mesh without expert parallelism "
-                                     "partitions the experts by XLA, which cannot partition a Pallas kernel; use "
-                                     "auto, ragged_dot, or ici_expert_parallelism > 1")
-                gmm = moe_gmm.SPMD_AUTO if gmm == "auto" else gmm
-            y_BSD = moe_experts.dropless(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w, gmm).reshape(B, S, D)
+        else:  # one device, or tensor-parallel experts partitioned by XLA
+            y_BSD = moe_experts.dropless(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w, gmm,
+                                         partitioned=not mesh.empty and mesh.size > 1).reshape(B, S, D)
         if self.shared_experts is not None:
             y_BSD = y_BSD + self.shared_experts(x_BSD)
         return y_BSD, MoEAux(lb_loss=lb_loss, z_loss=z_loss, counts=counts_E, stats=stats)

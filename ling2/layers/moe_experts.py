@@ -69,13 +69,14 @@ def combine(y_TKD, weights_TK, dtype):
     return jnp.einsum("tkd,tk->td", y_TKD.astype(F32), weights_TK.astype(F32)).astype(dtype)
 
 
-def dropless(x_TD, experts_TK, weights_TK, w, gmm: str):
-    """Routed output [T, D]: every assignment is computed (sort, grouped matmul, unsort)."""
+def dropless(x_TD, experts_TK, weights_TK, w, gmm: str, *, partitioned: bool = False):
+    """Routed output [T, D]: every assignment is computed (sort, grouped matmul, unsort).
+    `partitioned`: see `moe_gmm.grouped_ffn`."""
     T, K = experts_TK.shape
     order_M, gs_E = sort_by_expert(experts_TK, w[0].shape[0])
     inv_M = jnp.argsort(order_M)  # assignment t*K+k -> its sorted position
     x_MD = gather_rows(x_TD, order_M // K, inv_M, K)
-    y_MD = grouped_ffn(x_MD, gs_E, w, gmm)
+    y_MD = grouped_ffn(x_MD, gs_E, w, gmm, partitioned=partitioned)
     y_TKD = gather_rows(y_MD, inv_M, order_M, 1).reshape(T, K, -1)
     return combine(y_TKD, weights_TK, x_TD.dtype)
 

@@ -13,10 +13,9 @@ dim, F expert width.
   model_name=ling2's train step compiles several times slower with them (tools/bench/moe and
   tools/bench/compile NOTES). Interpreted on CPU.
   "auto": tiled on CPU, megablox on TPU (ragged_dot where the model dim and expert width share
-  no multiple of 128, as in test models, or where XLA partitions the call: SPMD_AUTO),
-  ragged_dot elsewhere (GPU), decided for the platform
-  the computation is lowered for (`jax.lax.platform_dependent`), not the host's: a CPU host
-  compiling for TPU builds what a TPU host would.
+  no multiple of 128, as in test models, or where XLA partitions the call), ragged_dot elsewhere
+  (GPU), decided for the platform the computation is lowered for (`jax.lax.platform_dependent`),
+  not the host's: a CPU host compiling for TPU builds what a TPU host would.
 """
 
 import math
@@ -29,7 +28,6 @@ F32 = jnp.float32
 
 
 GMMS = ("auto", "ragged_dot", "tiled", "megablox")
-SPMD_AUTO = "auto_partitioned"  # "auto" where XLA partitions the call: no Pallas kernel (ragged_dot on TPU)
 
 
 def ffn_ragged_dot(x_MD, group_sizes_E, wg, wu, wd):
@@ -181,13 +179,18 @@ def ffn_megablox(x_MD, group_sizes_E, wg, wu, wd, *, interpret: bool = False):
     return mm(jax.nn.silu(g) * u, wd.astype(x_MD.dtype))[:M]
 
 
-def grouped_ffn(x_MD, group_sizes_E, w, gmm: str = "auto"):
-    """Grouped SwiGLU of rows sorted by expert with weights w = (wg, wu, wd) by backend `gmm` (GMMS)."""
+def grouped_ffn(x_MD, group_sizes_E, w, gmm: str = "auto", *, partitioned: bool = False):
+    """Grouped SwiGLU of rows sorted by expert with weights w = (wg, wu, wd) by backend `gmm` (GMMS).
+    `partitioned`: XLA partitions this call (a tensor-parallel mesh without expert parallelism;
+    elsewhere the MoE calls it per device in shard_map), so no Pallas kernel may run."""
+    if partitioned and gmm == "megablox":
+        raise ValueError("moe_gmm_backend=megablox: a tensor-parallel mesh without expert parallelism partitions "
+                         "the experts by XLA, which cannot partition a Pallas kernel; use auto, ragged_dot, or "
+                         "ici_expert_parallelism > 1")
     if gmm == "auto":
-        tpu = ffn_megablox if megablox_tile(x_MD.shape[1], w[2].shape[1]) else ffn_ragged_dot
+        mosaic = not partitioned and megablox_tile(x_MD.shape[1], w[2].shape[1])
+        tpu = ffn_megablox if mosaic else ffn_ragged_dot
         return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=ffn_tiled, tpu=tpu, default=ffn_ragged_dot)
-    if gmm == SPMD_AUTO:
-        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=ffn_tiled, default=ffn_ragged_dot)
     if gmm == "ragged_dot":
         return ffn_ragged_dot(x_MD, group_sizes_E, *w)
     if gmm == "tiled":

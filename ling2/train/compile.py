@@ -20,7 +20,6 @@ import math
 import re
 import sys
 import time
-from pathlib import Path
 
 from absl import app, flags
 
@@ -204,7 +203,7 @@ def main(argv) -> int:
     from ling2 import topology
     from ling2.config import ConfigError, load_config
     from ling2.config.schema import MESH_AXES
-    from ling2.config.paths import find_file
+    from ling2.config.paths import find_file, user_path
 
     logging.set_verbosity(logging.WARNING)
     if FLAGS.num_slices < 1:
@@ -233,8 +232,13 @@ def main(argv) -> int:
         return 2
     print(table(p))
     if FLAGS.out:
-        Path(FLAGS.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(FLAGS.out).write_text(json.dumps(p, indent=1) + "\n")
+        out = user_path(FLAGS.out)  # relative to where the user ran bazel, not the runfiles tree
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(p, indent=1) + "\n")
+        except OSError as e:
+            print(f"error: --out: cannot write {out}: {e}", file=sys.stderr)
+            return 2
     print(verdict(p))
     return 0 if p["fits"] else 1
 

@@ -89,3 +89,17 @@ def test_bad_input_exits_2_from_the_binary(args, named):
     r = cli(*args)
     assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-3000:])
     assert "Traceback" not in r.stderr and named in r.stderr
+
+
+def test_out_is_relative_to_the_users_directory_and_unwritable_is_named(tmp_path, monkeypatch, capsys):
+    """`bazel run` starts the binary in its runfiles tree: a relative --out is the user's directory's
+    (BUILD_WORKING_DIRECTORY). An --out that cannot be written exits 2 naming the flag."""
+    monkeypatch.setenv("BUILD_WORKING_DIRECTORY", str(tmp_path))
+    flags.FLAGS.unparse_flags()
+    assert compile_lib.main(flags.FLAGS(["compile", "--topology=v5e-4", "--out=plans/p.json", "--", *MICRO])) == 0
+    assert json.loads((tmp_path / "plans" / "p.json").read_text())["chips"] == 4
+    (tmp_path / "a_file").write_text("")
+    flags.FLAGS.unparse_flags()
+    assert compile_lib.main(flags.FLAGS(["compile", "--topology=v5e-4", "--out=a_file/p.json", "--", *MICRO])) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --out: cannot write") and "a_file" in err, err

@@ -1,7 +1,8 @@
 """Where a run executes: the device mesh, parameter shardings, global batches and device peak FLOP/s.
 
 The mesh is (data, fsdp, expert, tensor) from cfg.ici_*_parallelism (one -1 fills the
-devices of a slice) times cfg.dcn_*_parallelism across slices (multi-slice; slices outermost). Parameters carry logical axis names (`out_sharding` metadata); the config's
+devices of a slice) times cfg.dcn_*_parallelism across slices (multi-slice; slices outermost).
+Parameters carry logical axis names (`out_sharding` metadata); the config's
 `logical_axis_rules` map them to mesh axes (`ling2.layers.sharding.logical_to_spec`).
 """
 
