@@ -7,11 +7,18 @@ checkpoint's config back. Restoring into a model of another shape fails with a `
 naming every mismatched parameter and both shapes; resuming under a changed config is checked by
 `check_resume_config` (see `ling2.config.schema.resume_class`).
 
-Integrity: once orbax has committed a step, process 0 records the size and CRC-32 of every file
-in it in `checksums.json`, written last (a step without it is an unfinished save). On resume
-every file is checked again (the files are split over the processes); a step that is empty, lacks
-an item or its metadata, or whose bytes changed is reported, moved aside to `{step}.rejected`,
-and the newest good step before it is used.
+Integrity: process 0 records the size and CRC-32 of every file of a step in `checksums.json`. The
+commit is atomic: orbax writes a step into `{step}.orbax-checkpoint-tmp`, its finalize renames that to
+a sealed name that is still temporary to orbax, `checksums.json` is written there, and one rename
+publishes the step with its checksums (`_StepPath`). A crash at any point leaves either the whole
+step or no step; orbax removes the temporary directories when the next run starts. On resume every
+file is checked again (the files are split over the processes); a step that is empty, lacks an item,
+its metadata or `checksums.json`, or whose bytes changed is reported, moved aside to
+`{step}.rejected`, and the newest good step before it is used.
+
+Crash tests: `$LING2_CHECKPOINT_KILL=phase:step` makes the process SIGKILL itself when the save of
+`step` reaches `phase`, one of `SAVE_PHASES` (in their order in a save; those between "begin" and
+"done" happen on process 0 only).
 
 An async save blocks the loop only while it copies the state (later steps donate its buffers;
 accelerators copy to pinned host memory) and takes the data position; a background thread then runs
@@ -27,6 +34,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,6 +45,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ling2.checkpoint import save_noise
 from ling2.checkpoint.state import CONFIG_NAME, CheckpointError, read_config
 from ling2.config import ConfigError, load_config
 from ling2.config.schema import RESUME_FIXED, RESUME_WARN, resume_class
@@ -45,7 +54,25 @@ CHECKSUMS = "checksums.json"
 CONFIG_ITEM = "config"
 REJECTED = ".rejected"
 ITEMS = ("state", "meta", CONFIG_ITEM)  # and "data" when the run has a data iterator
+SEALED = "-sealed"  # appended to orbax's temporary name: the step is whole, its checksums not yet written
 _CHUNK = 8 << 20
+
+KILL_ENV = "LING2_CHECKPOINT_KILL"
+SAVE_PHASES = (
+    "begin",        # the save starts (async: on the checkpoint thread); nothing written
+    "created",      # orbax's temporary step directory exists, no item in it yet
+    "written",      # every item written; orbax's finalize (commit time, commit_success.txt) not yet run
+    "sealed",       # orbax's finalize done, the directory renamed to its sealed name
+    "checksummed",  # checksums.json written in the sealed directory
+    "published",    # renamed to {step}: the commit point
+    "done",         # orbax's save returned (older steps past max_checkpoints_to_keep removed)
+)
+
+
+def _phase(name: str, step) -> None:
+    """A point of the save sequence; the process kills itself here when $LING2_CHECKPOINT_KILL names it."""
+    if os.environ.get(KILL_ENV) == f"{name}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class ResumeConfigError(CheckpointError):
@@ -83,7 +110,7 @@ def _files(step_dir: Path) -> list[str]:
 
 
 def write_checksums(step_dir) -> dict:
-    """Records {file: [size, crc32]} of every file of a committed step directory in checksums.json
+    """Records {file: [size, crc32]} of every file of a finished step directory in checksums.json
     (written to a temporary name, then renamed: the file exists only once it is whole)."""
     step_dir = Path(step_dir)
     files = {f: [(step_dir / f).stat().st_size, _crc(step_dir / f)] for f in _files(step_dir)}
@@ -203,6 +230,45 @@ class _OrbaxErrorsRaisedByUs(logging.Filter):
 _ORBAX_FILTER = _OrbaxErrorsRaisedByUs()
 
 
+def _step_path_class(root: Path):
+    """orbax's atomic-rename temporary path, for the step directories under `root`: `checksums.json` is
+    written into the finished directory before the rename that publishes it. (orbax uses the class for
+    the items' directories inside a step too; those are left to orbax.)"""
+
+    class _StepPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
+        def _step(self) -> Optional[str]:
+            final = Path(str(self.get_final()))
+            return final.name if final.parent == root else None
+
+        async def create(self):
+            path = await super().create()
+            if (step := self._step()) is not None:
+                _phase("created", step)
+            return path
+
+        async def finalize(self):
+            step = self._step()
+            if step is None:
+                return await super().finalize()
+            _phase("written", step)
+            final = self.get_final()
+            sealed = root / (Path(str(self.get())).name + SEALED)
+            if sealed.exists():
+                shutil.rmtree(sealed)  # left by a crashed save of the same step
+            self._final_path = type(final)(sealed)  # orbax's finalize ends renaming its directory to this
+            try:
+                await super().finalize()
+            finally:
+                self._final_path = final
+            _phase("sealed", step)
+            write_checksums(sealed)
+            _phase("checksummed", step)
+            os.rename(sealed, root / step)
+            _phase("published", step)
+
+    return _StepPath
+
+
 class _DataState:
     """A data iterator's `get_state()` taken at save time (grain's handler calls `get_state`)."""
 
@@ -223,6 +289,8 @@ class Checkpointer:
             max_to_keep=cfg.max_checkpoints_to_keep,
             enable_async_checkpointing=False,  # our thread runs the whole save
             create=False,
+            cleanup_tmp_directories=True,  # what crashed saves left
+            temporary_path_class=_step_path_class(self.directory),
             multiprocessing_options=ocp.options.MultiprocessingOptions(
                 active_processes=set(range(jax.process_count()))),
         )
@@ -231,6 +299,7 @@ class Checkpointer:
             item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler(), CONFIG_ITEM: ocp.JsonCheckpointHandler()})
         logging.getLogger("absl").addFilter(_ORBAX_FILTER)
+        save_noise.install()
         self._pool = ThreadPoolExecutor(1, "checkpoint") if cfg.async_checkpointing else None
         self._pending = None  # (step, Future) of the save in flight
         self._last = self.manager.latest_step()
@@ -322,9 +391,9 @@ class Checkpointer:
         return True
 
     def _commit(self, step: int, args) -> None:
+        _phase("begin", step)
         self.manager.save(step, args=args, force=True)
-        if jax.process_index() == 0:
-            write_checksums(self.step_dir(step))
+        _phase("done", step)
 
     def _save_error(self, step: int, e: BaseException) -> CheckpointError:
         """One line for a failed save (orbax's own messages run to pages); its partial files are removed."""

@@ -1,6 +1,7 @@
 """Checkpointer: an async save holds the state and data position of its step while later (donating)
 steps run, its errors surface, and saves follow the period; checked against values kept by hand.
-Integrity: damaged or unfinished steps are found and skipped; the saved config and the resume rules."""
+Integrity: a step appears only with its checksums; damaged or unfinished steps are found and skipped; the saved
+config and the resume rules."""
 
 import errno
 import re
@@ -159,6 +160,34 @@ def test_incomplete_latest_step_falls_back_with_the_reason(tmp_path, damage, rea
     assert ck.resume_step(logs.append) == 2
     assert re.search(reason, logs[0]), logs
     ck.close()
+
+
+def test_a_step_appears_only_whole_with_its_checksums(tmp_path, monkeypatch):
+    """The save runs its phases in SAVE_PHASES order and the step directory appears only when published, with a
+    checksums.json that verifies (a kill at any phase leaves the whole step or none: save_kill_test). A save
+    that fails before publishing leaves neither the step nor orbax's temporary directories."""
+    seen = []
+
+    def phase(name, step):
+        d = tmp_path / str(step)
+        seen.append((name, d.exists(), d.is_dir() and manager.verify(d, manager.ITEMS + ("data",)) is None))
+
+    monkeypatch.setattr(manager, "_phase", phase)
+    ck = Checkpointer(tmp_path, cfg(async_checkpointing=False))
+    ck.save(2, big_state(), Counter(), {"step": 2}, force=True)
+    published = manager.SAVE_PHASES.index("published")
+    assert seen == [(name, i >= published, i >= published) for i, name in enumerate(manager.SAVE_PHASES)]
+
+    def fail(name, step):
+        if name == "checksummed":
+            raise OSError("injected")
+
+    monkeypatch.setattr(manager, "_phase", fail)
+    with pytest.raises(CheckpointError, match=r"/4: saving the checkpoint failed: OSError: injected"):
+        ck.save(4, big_state(), Counter(), {"step": 4}, force=True)
+    ck.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2"]
+    assert Checkpointer(tmp_path, cfg()).resume_step(lambda s: None) == 2
 
 
 def test_no_usable_checkpoint_is_an_error_listing_each(tmp_path):

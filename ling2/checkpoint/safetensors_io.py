@@ -157,6 +157,9 @@ class ShardedReader:
     def shape(self, name: str) -> tuple:
         return self.entries[name][2]
 
+    def dtype(self, name: str) -> np.dtype:
+        return self.entries[name][1]
+
     def read(self, name: str, index: tuple = (), copy: bool = True) -> np.ndarray:
         """The tensor, or its block `tensor[index]` for leading indices `index` (read alone).
 

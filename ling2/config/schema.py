@@ -115,8 +115,9 @@ class MoE(_Group):
     capacity_factor: float = _f("<= 0: dropless. > 0: the dense path drops tokens past capacity.")
     sparse_matmul: bool = _f("True: sort + grouped matmul (dropless). False: dense einsum with capacity.")
     moe_gmm_backend: T.GmmBackend = _f(
-        "Dropless grouped matmul: 'ragged_dot', 'tiled' (fast on CPU), 'megablox' (Pallas TPU kernels; "
-        "interpreted elsewhere), or 'auto' (tiled on CPU, megablox on TPU, ragged_dot on GPU).")
+        "Dropless grouped matmul: 'ragged_dot', 'tiled' (fast on CPU), 'blocked' (batched matmuls over "
+        "expert-pure row blocks; XLA:GPU runs ragged_dot dense over the experts), 'megablox' (Pallas TPU kernels; "
+        "interpreted elsewhere), or 'auto' (tiled on CPU, megablox on TPU, blocked on CUDA GPUs).")
     load_balance_loss_weight: NonNegativeFloat = _f("Switch-style auxiliary load-balancing loss weight; 0 skips it.")
     moe_z_loss_weight: NonNegativeFloat = _f("ST-MoE router z-loss weight; 0 skips the computation.")
 
@@ -133,7 +134,11 @@ class DeepSeekMoE(_Group):
     routed_bias_dtype: T.RoutedBiasDType = _f("Dtype of the expert bias; '' follows weight_dtype.")
     enable_routed_bias_grad: bool = _f("False: the bias takes no gradient, only loss-free updates.")
     routed_bias_zero_mean_update: bool = _f("Recentre the bias to zero mean after each update.")
-    norm_topk_prob: bool = _f("Normalise top-k softmax weights (sigmoid weights are always normalised).")
+    norm_topk_prob: bool = _f("Normalise top-k softmax weights to sum 1 (sigmoid weights: sigmoid_renormalize).")
+    sigmoid_renormalize: bool = _f(
+        "Divide the chosen experts' sigmoid weights by their sum before routed_scaling_factor (HF norm_topk_prob, "
+        "Ling 3 moe_renormalize); false keeps the raw sigmoid scores. The BailingMoeV2_5 gate renormalises iff "
+        "top-k > 1.")
 
 
 class Mtp(_Group):

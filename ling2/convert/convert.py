@@ -74,10 +74,18 @@ def _resolve(e, names: set):
     return None
 
 
+def _castable(src, dst) -> bool:
+    """Whether a checkpoint tensor of dtype `src` may fill a model leaf of dtype `dst`: float to float (any
+    width, bf16 and fp8 included) is a cast; an integer or bool tensor where a float weight belongs is not a
+    weight at all, and casting it would load made-up values."""
+    floating = lambda d: jax.numpy.issubdtype(d, jax.numpy.floating)  # noqa: E731
+    return floating(src) or not floating(dst)
+
+
 def _plan(reader, cfg, layout: str, allow_missing_mtp: bool):
     """(leaves, [(entry, HF name)], skip_mtp) after checking `reader` against the model.
 
-    Raises ConversionError listing every missing, unexpected and mis-shaped tensor.
+    Raises ConversionError listing every missing, unexpected, mis-shaped and wrongly typed tensor.
     """
     leaves = abstract_state(cfg)
     es = mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()})
@@ -91,17 +99,31 @@ def _plan(reader, cfg, layout: str, allow_missing_mtp: bool):
     unexpected = sorted(n for n in names - used if not mapping.ignorable(n, layout, cfg))
     bad = [(e, found[e]) for e in es if found[e] is not None
            and reader.shape(found[e]) != mapping.hf_shape(e, leaves[e.path].shape)]
-    if missing or unexpected or bad:
+    typed = [(e, found[e]) for e in es if found[e] is not None and not _castable(reader.dtype(found[e]),
+                                                                                 leaves[e.path].dtype)]
+    if missing or unexpected or bad or typed:
         lines = [f"  missing: {e.hf} expected {mapping.hf_shape(e, leaves[e.path].shape)}, checkpoint has none"
                  for e in missing]
         lines += [f"  unexpected: {n} checkpoint {reader.shape(n)}, model has none" for n in unexpected]
         lines += [f"  mis-shaped: {n} checkpoint {reader.shape(n)} vs expected "
                   f"{mapping.hf_shape(e, leaves[e.path].shape)}" for e, n in bad]
+        lines += [f"  wrong dtype: {n} checkpoint {reader.dtype(n)} vs expected {np.dtype(leaves[e.path].dtype)} "
+                  "(only floating-point tensors are weights)" for e, n in typed]
         hint = "" if allow_missing_mtp or not any(e.mtp for e in missing) else " (--allow_missing_mtp skips MTP)"
+        wrong = f", {len(typed)} of a wrong dtype" if typed else ""
         raise ConversionError(f"{reader.dir}: checkpoint does not match the {layout} layout of the config "
-                              f"({len(missing)} missing, {len(unexpected)} unexpected, {len(bad)} mis-shaped){hint}:\n"
-                              + "\n".join(lines))
+                              f"({len(missing)} missing, {len(unexpected)} unexpected, {len(bad)} mis-shaped"
+                              f"{wrong}){hint}:\n" + "\n".join(lines))
     return leaves, [(e, found[e]) for e in es if found[e] is not None], skip_mtp
+
+
+def mtp_absent(reader, cfg, layout: str) -> bool:
+    """True when `cfg` has MTP layers and `reader` holds none of their tensors: what transformers'
+    `save_pretrained` writes for a Ling 3 model (its BailingHybridForCausalLM has no MTP modules)."""
+    leaves = abstract_state(cfg)
+    es = [e for e in mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()}) if e.mtp]
+    names = set(reader.names())
+    return bool(es) and all(_resolve(e, names) is None for e in es)
 
 
 def _hf_to_sink(reader, cfg, layout, sink, allow_missing_mtp, progress, plan=None) -> None:
@@ -131,7 +153,7 @@ class _ArraySink:
 def hf_to_state(reader, cfg, layout: str, allow_missing_mtp: bool = False, progress: bool = True) -> dict:
     """The pure-dict Ling2 state (numpy leaves) read from `reader` in `layout`, all in memory.
 
-    Raises ConversionError listing every missing, unexpected and mis-shaped tensor. With
+    Raises ConversionError listing every missing, unexpected, mis-shaped and wrongly typed tensor. With
     `allow_missing_mtp`, a checkpoint with none of the MTP tensors loads; the MTP layers
     keep their seeded initial values.
     """

@@ -149,6 +149,27 @@ def test_validation_lists_every_offender_with_both_shapes(tmp_path, tiny):
     assert "mis-shaped: model.layers.4.attention.kv_b_proj.weight checkpoint (3, 64) vs expected (256, 64)" in msg
 
 
+def test_integer_or_bool_tensors_are_not_weights(tmp_path, tiny, capsys):
+    """An int or bool tensor where a float weight belongs is refused by name with both dtypes (casting it would
+    load made-up weights, exit 0); a float tensor of another width is still cast."""
+    kv_b, norm, up = ("model.layers.4.attention.kv_b_proj.weight", "model.norm.weight",
+                      "model.layers.6.mlp.experts.3.up_proj.weight")
+    ref = write_random_hf(tmp_path / "ok", tiny, extra={up: np.ones((64, 128), np.float16)})
+    state = convert.hf_to_state(ShardedReader(tmp_path / "ok"), tiny, "bailing", progress=False)
+    np.testing.assert_array_equal(state["decoder"]["layers"][6]["mlp"]["experts"]["up_proj"][3], ref[up].T)
+    write_random_hf(tmp_path / "bad", tiny, extra={kv_b: np.ones((256, 64), np.int32), norm: np.ones(128, np.bool_)})
+    with pytest.raises(convert.ConversionError) as e:
+        convert.hf_to_state(ShardedReader(tmp_path / "bad"), tiny, "bailing", progress=False)
+    msg = str(e.value)
+    assert "0 missing, 0 unexpected, 0 mis-shaped, 2 of a wrong dtype" in msg
+    assert f"wrong dtype: {kv_b} checkpoint int32 vs expected float32" in msg
+    assert f"wrong dtype: {norm} checkpoint bool vs expected float32" in msg
+    assert hf_to_ling2.main(["--hf_dir", str(tmp_path / "bad"), "--out", str(tmp_path / "l2"), "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ConversionError:") and f"{kv_b} checkpoint int32 vs expected float32" in err
+    assert not (tmp_path / "l2" / "state").exists()
+
+
 def test_missing_mtp_needs_the_flag(tmp_path, tiny):
     mtp = [n for n in write_random_hf(tmp_path / "a", tiny) if n.startswith("model.layers.10.")]
     ref = write_random_hf(tmp_path / "b", tiny, drop=mtp)

@@ -16,7 +16,10 @@ top of configs/base.yml and keeps the whole config.json in `hf_source_config`. `
 the reverse, a dict for config.json: every field the official config class reads, written
 explicitly; the source's fields Ling2 does not model come back unchanged, and so does the
 source's spelling of a field Ling2 does model (e.g. `rope_scaling` without yarn's defaulted keys,
-`eos_token_id` as a list) while it still means the same. So HF -> Ling2 -> HF is the identity.
+`eos_token_id` as a list) while it still means the same. So HF -> Ling2 -> HF is the identity: the
+source's keys, null values included, and no others; the weights' dtype goes under the source's dtype key
+(`torch_dtype`, or `dtype` as newer transformers write it), and under `torch_dtype` in a source that
+had none only when the weights were cast.
 """
 
 import functools
@@ -90,10 +93,11 @@ HF_NAMES = {
     "num_experts": "num_experts", "routed_score_func": "score_function",
     "routed_bias": "moe_router_enable_expert_bias", "moe_shared_expert_dim": "num_shared_experts",
     "mtp_loss_scaling_factor": "mtp_loss_scaling_factor", "pad_id": "pad_token_id", "eod_id": "eos_token_id",
+    "sigmoid_renormalize": "norm_topk_prob",
 }
 
-# Written from the Ling2 side whatever the source said; always written.
-_OURS = ("torch_dtype",)
+# The weights' dtype, under the name older (torch_dtype) and newer (dtype) transformers save it.
+DTYPE_KEYS = ("torch_dtype", "dtype")
 _STRUCTURE = ("architectures", "model_type", "auto_map")
 
 
@@ -138,9 +142,7 @@ def _hybrid_overrides(hf: dict, explicit: set, w: str) -> dict:
     H, L, G = hf["num_attention_heads"], hf["num_hidden_layers"], _pos_int(hf, "layer_group_size", w)
     if (hf.get("num_key_value_heads") or H) != H:
         raise HFConfigError(f"{w}: num_key_value_heads={hf['num_key_value_heads']} must equal num_attention_heads={H}")
-    if not hf["norm_topk_prob"]:
-        raise HFConfigError(f"{w}: moe_renormalize (norm_topk_prob) false is not supported "
-                            "(Ling2 always normalises sigmoid routing weights)")
+    renormalize = _flag(hf, "norm_topk_prob", f"{w}: moe_renormalize (norm_topk_prob)")
     if hf.get("linear_num_heads") not in (None, H):
         raise HFConfigError(f"{w}: linear_num_heads={hf['linear_num_heads']} must equal num_attention_heads={H}")
     rule = ["full_attention" if (i + 1) % G == 0 else "linear_attention" for i in range(L)]
@@ -160,6 +162,7 @@ def _hybrid_overrides(hf: dict, explicit: set, w: str) -> dict:
         "inhomogeneous_layer_cycle_interval": G, "q_lora_rank": 0, "mla_interleaved_rope": True,
         "use_qk_norm": False, "group_norm_size": 1, "num_experts": hf["num_local_experts"],
         "routed_score_func": "sigmoid", "routed_bias": True, "norm_topk_prob": True,
+        "sigmoid_renormalize": renormalize,
         "shared_experts": 1 if n_shared else 0, "moe_shared_expert_dim": n_shared * hf["moe_intermediate_size"],
         "kda_conv_kernel_size": _pos_int(hf, "short_conv_kernel_size", w), "kda_safe_gate": hf["kda_safe_gate"],
         "kda_lower_bound": hf["kda_lower_bound"], "mtp_num_layers": hf.get("num_mtp_layers") or 0,
@@ -175,6 +178,14 @@ def _hybrid_rope(hf: dict) -> dict:
     if rp.get("rope_type", "default") != "default":
         out["rope_scaling"] = rp
     return out
+
+
+def _flag(hf: dict, key: str, where: str) -> bool:
+    """hf[key] when it is a JSON boolean (a string such as "false" would read as true), else HFConfigError."""
+    v = hf[key]
+    if not isinstance(v, bool):
+        raise HFConfigError(f"{where} must be true or false, got {v!r}")
+    return v
 
 
 def _need(hf: dict, key: str, where: str):
@@ -288,12 +299,11 @@ def hf_to_overrides(hf: dict, layout: str) -> dict:
             routed_score_func=hf["score_function" if "score_function" in explicit else "scoring_func"],
             routed_bias=hf["moe_router_enable_expert_bias"], shared_experts=1 if shared else 0,
             moe_shared_expert_dim=shared, mtp_loss_scaling_factor=hf["mtp_loss_scaling_factor"],
+            sigmoid_renormalize=o["num_experts_per_tok"] != 1,  # the official V2.5 gate renormalises when top-k > 1
         )
     elif layout == "bailing_hybrid":
         o.update(_hybrid_overrides(hf, explicit, w))
     elif layout == "deepseek_v3":
-        if not hf.get("norm_topk_prob", True):
-            raise HFConfigError(f"{w}: norm_topk_prob false is not supported (Ling2 always normalises sigmoid weights)")
         if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
             raise HFConfigError(f"{w}: only scoring_func sigmoid with topk_method noaux_tc is supported")
         n_shared = hf.get("n_shared_experts") or 0
@@ -301,6 +311,7 @@ def hf_to_overrides(hf: dict, layout: str) -> dict:
             head_dim=hf["qk_rope_head_dim"], inhomogeneous_layer_cycle_interval=1, partial_rotary_factor=1.0,
             use_qk_norm=False, group_norm_size=1, num_experts=_need(hf, "n_routed_experts", w),
             routed_score_func="sigmoid", routed_bias=True, norm_topk_prob=True,
+            sigmoid_renormalize=_flag({"norm_topk_prob": True, **hf}, "norm_topk_prob", f"{w}: norm_topk_prob"),
             shared_experts=1 if n_shared else 0, moe_shared_expert_dim=n_shared * I_moe,
         )
     else:
@@ -334,7 +345,7 @@ def _rope_scaling(cfg):
 TORCH_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float64"}
 
 
-def _generated(cfg, layout: str, torch_dtype: str) -> dict:
+def _generated(cfg, layout: str) -> dict:
     shared_width = cfg.shared_experts * cfg.shared_expert_dim
     common = {
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.emb_dim, "intermediate_size": cfg.mlp_dim,
@@ -349,10 +360,15 @@ def _generated(cfg, layout: str, torch_dtype: str) -> dict:
         "rope_interleave": cfg.mla_interleaved_rope, "num_experts_per_tok": cfg.num_experts_per_tok,
         "moe_intermediate_size": cfg.base_moe_mlp_dim, "routed_scaling_factor": cfg.routed_scaling_factor,
         "n_group": cfg.n_routing_groups, "topk_group": cfg.topk_routing_group,
-        "num_nextn_predict_layers": cfg.mtp_num_layers, "torch_dtype": torch_dtype or cfg.weight_dtype,
+        "num_nextn_predict_layers": cfg.mtp_num_layers,
         "pad_token_id": cfg.pad_id if cfg.pad_id >= 0 else None, "eos_token_id": cfg.eod_id,
     }
     if layout == "bailing":
+        if cfg.routed_score_func == "sigmoid" and cfg.sigmoid_renormalize != (cfg.num_experts_per_tok > 1):
+            raise HFConfigError(f"layout bailing: sigmoid_renormalize={cfg.sigmoid_renormalize} with "
+                                f"num_experts_per_tok={cfg.num_experts_per_tok}: the official BailingMoeV2_5 gate "
+                                "has no such setting, it renormalises sigmoid weights exactly when top-k > 1 "
+                                "(bailing_hybrid and deepseek_v3 can say either)")
         n_shared = None
         if shared_width:
             if shared_width % cfg.base_moe_mlp_dim:
@@ -383,7 +399,7 @@ def _generated(cfg, layout: str, torch_dtype: str) -> dict:
             raise HFConfigError("layout deepseek_v3: needs routed_score_func sigmoid with routed_bias")
         return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **common,
                 "n_routed_experts": cfg.num_experts, "n_shared_experts": shared_width // cfg.base_moe_mlp_dim,
-                "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                "norm_topk_prob": cfg.sigmoid_renormalize, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
                 "attention_bias": False, "head_dim": cfg.qk_rope_head_dim}
     raise HFConfigError(f"layout: unknown {layout!r} (known: {LAYOUTS})")
 
@@ -414,7 +430,7 @@ def _hybrid_generated(cfg, common: dict, shared_width: int) -> dict:
     out.update({
         "architectures": ["BailingHybridForCausalLM"], "model_type": "bailing_hybrid", "rope_parameters": rope,
         "num_experts": cfg.num_experts, "num_shared_experts": shared_width // cfg.base_moe_mlp_dim,
-        "moe_renormalize": True, "attention_bias": False, "head_dim": cfg.qk_rope_head_dim,
+        "moe_renormalize": cfg.sigmoid_renormalize, "attention_bias": False, "head_dim": cfg.qk_rope_head_dim,
         "linear_head_dim": cfg.head_dim, "linear_num_heads": cfg.num_query_heads,
         "qk_head_dim": cfg.qk_head_dim, "short_conv_kernel_size": cfg.kda_conv_kernel_size,
         "linear_conv_kernel_dim": cfg.kda_conv_kernel_size, "layer_group_size": G,
@@ -431,14 +447,19 @@ def config_to_hf(cfg, layout: str, torch_dtype: str = "") -> dict:
 
     With `cfg.hf_source_config` (the config.json it was converted from), the output follows the source:
     its fields Ling2 does not model verbatim, its spelling of those Ling2 does where that still maps to
-    `cfg`'s values, and a field it left out stays out where its default means the same."""
-    out = _generated(cfg, layout, torch_dtype)
+    `cfg`'s values, and a field it left out stays out where its default means the same.
+
+    `torch_dtype` names the weights' dtype: `cfg.weight_dtype`, or the dtype they are cast to (a
+    transformers name, e.g. "bfloat16"). With a source it goes under the source's dtype key(s)
+    (DTYPE_KEYS), and where the source had none, only when a cast was asked for."""
+    out = _generated(cfg, layout)
+    dtype = torch_dtype or cfg.weight_dtype
     src = cfg.hf_source_config
     if not src or detect_layout(src) != layout:
-        return out
+        return {**out, "torch_dtype": dtype}
     want = _meaning(out, layout)
     for k, v in src.items():
-        if k in _OURS or out.get(k) == v:
+        if k in DTYPE_KEYS or (k in out and out[k] == v):
             continue
         if k not in out:
             out[k] = v
@@ -449,10 +470,12 @@ def config_to_hf(cfg, layout: str, torch_dtype: str = "") -> dict:
             same = False
         if same:
             out[k] = v
-    for k in [k for k in out if k not in src and k not in _OURS + _STRUCTURE]:
+    for k in [k for k in out if k not in src and k not in _STRUCTURE]:
         rest = {kk: vv for kk, vv in out.items() if kk != k}
         if _meaning(rest, layout) == want:  # the source left it to its default: so do we
             out = rest
+    for k in [k for k in DTYPE_KEYS if k in src] or (["torch_dtype"] if torch_dtype else []):
+        out[k] = dtype
     return out
 
 

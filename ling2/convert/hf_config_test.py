@@ -137,3 +137,69 @@ def test_files_round_trip_through_both_clis(tmp_path, tiny, capsys, dtype, want)
     out = ShardedReader(tmp_path / "hf2")
     assert sorted(out.names()) == sorted(ref)
 
+
+
+def native(layout, **kw):
+    """A Ling2 config each layout can write: ling2-tiny (bailing; deepseek_v3 with every layer MLA), ling3-tiny."""
+    if layout == "bailing_hybrid":
+        return load_config(model_name="ling3-tiny", **kw)
+    return load_config(model_name="ling2-tiny", **({"inhomogeneous_layer_cycle_interval": 1}
+                                                    if layout == "deepseek_v3" else {}), **kw)
+
+
+@pytest.mark.parametrize("layout", hf_config.LAYOUTS)
+def test_round_trip_keeps_null_fields_and_adds_no_dtype(layout):
+    """A source's keys come back exactly, null values included, with no dtype key it did not have; the
+    weights' dtype goes under the source's own dtype key, and under torch_dtype only for a cast."""
+    src = {k: v for k, v in hf_config.config_to_hf(native(layout), layout).items() if k != "torch_dtype"}
+    src.update(bos_token_id=None, sep_token_id=None, some_future_field=None)
+    cfg = hf_config.load_ling2_config(src, layout)
+    assert json.loads(json.dumps(hf_config.config_to_hf(cfg, layout))) == src
+    assert hf_config.config_to_hf(cfg, layout, "bfloat16") == {**src, "torch_dtype": "bfloat16"}
+    newer = hf_config.load_ling2_config({**src, "dtype": "bfloat16"}, layout)  # newer transformers' name
+    assert hf_config.config_to_hf(newer, layout) == {**src, "dtype": "float32"}  # the weights Ling2 holds
+    assert hf_config.config_to_hf(newer, layout, "bfloat16") == {**src, "dtype": "bfloat16"}
+    assert hf_config.config_to_hf(native(layout), layout)["torch_dtype"] == "float32"  # no source: always said
+
+
+def test_cli_round_trip_writes_back_exactly_the_source(tmp_path):
+    """hf_to_ling2 then ling2_to_hf: config.json is the source's, key for key (a null bos_token_id, no
+    torch_dtype added)."""
+    small = load_config(model_name="ling2-tiny", base_num_decoder_layers=5, mtp_num_layers=0)
+    write_random_hf(tmp_path / "hf", small)
+    src = {k: v for k, v in published_style(small).items() if k != "torch_dtype"}
+    src["bos_token_id"] = None
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(src))
+    assert hf_to_ling2.main(["--hf_dir", str(tmp_path / "hf"), "--out", str(tmp_path / "l2"), "--no_progress"]) == 0
+    assert ling2_to_hf.main(["--ckpt", str(tmp_path / "l2"), "--out", str(tmp_path / "hf2"), "--no_progress"]) == 0
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text()) == src
+
+
+@pytest.mark.parametrize("layout,key", [("bailing_hybrid", "moe_renormalize"), ("bailing_hybrid", "norm_topk_prob"),
+                                        ("deepseek_v3", "norm_topk_prob")])
+def test_unnormalised_routing_maps_both_ways(layout, key):
+    """moe_renormalize / norm_topk_prob false (the official Ling 3 and DeepSeek-V3 routers: raw sigmoid weights
+    times routed_scaling_factor) is Ling2's sigmoid_renormalize false, and is written back as the source spelt it."""
+    src = hf_config.config_to_hf(native(layout), layout)
+    src.pop("moe_renormalize", None)
+    src[key] = False
+    cfg = hf_config.load_ling2_config(src, layout)
+    assert cfg.sigmoid_renormalize is False
+    assert hf_config.config_to_hf(cfg, layout) == src
+    written = hf_config.config_to_hf(native(layout, sigmoid_renormalize=False), layout)
+    assert written["moe_renormalize" if layout == "bailing_hybrid" else "norm_topk_prob"] is False
+    assert hf_config.load_ling2_config({**src, key: True}, layout).sigmoid_renormalize is True
+    with pytest.raises(hf_config.HFConfigError, match=f"{key}.*must be true or false, got 'false'"):
+        hf_config.load_ling2_config({**src, key: "false"}, layout)
+
+
+def test_bailing_layout_renormalises_exactly_when_top_k_exceeds_one(tiny):
+    """The official BailingMoeV2_5 gate has no renormalisation flag: it divides by the sum when top-k > 1 and
+    keeps the raw score for top-1, whatever a config.json's norm_topk_prob says."""
+    hf = hf_config.config_to_hf(tiny, "bailing")
+    assert hf_config.load_ling2_config({**hf, "norm_topk_prob": False}, "bailing").sigmoid_renormalize is True
+    top1 = hf_config.load_ling2_config({**hf, "num_experts_per_tok": 1}, "bailing")
+    assert top1.sigmoid_renormalize is False
+    assert hf_config.config_to_hf(top1, "bailing")["num_experts_per_tok"] == 1
+    with pytest.raises(hf_config.HFConfigError, match="renormalises sigmoid weights exactly when top-k > 1"):
+        hf_config.config_to_hf(load_config(model_name="ling2-tiny", sigmoid_renormalize=False), "bailing")

@@ -30,13 +30,14 @@ pytestmark = pytest.mark.skipif(not hasattr(transformers, "BailingHybridForCausa
 B, T = 2, 37  # T not a multiple of the KDA chunk
 
 
-def tiny_ling3(safe_gate=True, layers=5):
+def tiny_ling3(safe_gate=True, layers=5, renormalize=True):
     torch.manual_seed(0)
     cfg = transformers.BailingHybridConfig(
         vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=4, head_dim=16, kv_lora_rank=32, qk_rope_head_dim=8,
         qk_nope_head_dim=16, v_head_dim=16, num_local_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
         first_k_dense_replace=1, layer_group_size=3, num_mtp_layers=0, kda_safe_gate=safe_gate,
+        norm_topk_prob=renormalize,
         rope_theta=10000.0, pad_token_id=0, eos_token_id=1, attn_implementation="eager")
     model = transformers.BailingHybridForCausalLM(cfg).eval()
     with torch.no_grad():  # non-trivial norms and expert biases, so a mis-mapped tensor shows
@@ -88,6 +89,28 @@ def test_ling3_logit_parity_and_reverse(tmp_path, safe_gate):
         assert np.array_equal(out.read(name), ref.read(name)), name
     back = transformers.BailingHybridForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation="eager").eval()
     assert back.config.linear_head_dim == 16 and back.config.layer_types == hf.config.layer_types
+    with torch.no_grad():
+        np.testing.assert_allclose(back(torch.from_numpy(ids)).logits.numpy(), want, atol=1e-5, rtol=0)
+
+
+def test_ling3_unnormalised_routing_parity(tmp_path):
+    """moe_renormalize false: transformers weights the experts by the raw sigmoid scores times
+    routed_scaling_factor; so must Ling2, and the export must say false again."""
+    hf = tiny_ling3(renormalize=False)
+    cfg, model = _converted(tmp_path, hf)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["moe_renormalize"] is False
+    assert not cfg.sigmoid_renormalize
+    ids = np.random.default_rng(1).integers(2, cfg.vocab_size, (B, T))
+    with torch.no_grad():
+        want = hf(torch.from_numpy(ids)).logits.numpy()
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(nnx.jit(lambda m, x: m.decoder(x).logits)(model, ids))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+    convert.convert_ling2_to_hf(tmp_path / "l2", tmp_path / "hf2", progress=False)
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["moe_renormalize"] is False
+    back = transformers.BailingHybridForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation="eager").eval()
+    assert back.config.norm_topk_prob is False
     with torch.no_grad():
         np.testing.assert_allclose(back(torch.from_numpy(ids)).logits.numpy(), want, atol=1e-5, rtol=0)
 

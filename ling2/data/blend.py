@@ -23,9 +23,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ling2.data import index_cache
 from ling2.data.errors import DataError
-from ling2.data.gpt_index import (SPLITS, GPTDataset, megatron_descriptions, same_dir,
-                                  split_matrix)
+from ling2.data.gpt_index import (SPLITS, GPTDataset, megatron_descriptions, rebuildable,
+                                  same_dir, split_matrix)
 from ling2.data.indexed import IndexedDataset
 
 SURPLUS = 0.005
@@ -179,9 +180,10 @@ class BlendedDataset:
         if base is None and cache_dir:
             base = os.path.join(cache_dir, f"{self.hash}-BlendedDataset-{split}")
             self.source = "cache"
-        if base is not None and all(os.path.isfile(f"{base}-{k}.npy") for k in names):
-            self.dataset_index, self.dataset_sample_index = (
-                np.load(f"{base}-{k}.npy", mmap_mode="r") for k in names)
+        loaded = None if base is None else index_cache.load(
+            base, names, rebuild=rebuildable(self.source, base, index_dir, cache_dir))
+        if loaded is not None:
+            self.dataset_index, self.dataset_sample_index = loaded
         else:
             self.source = "built"
             if size is not None:
@@ -193,13 +195,8 @@ class BlendedDataset:
             self.dataset_index, self.dataset_sample_index = di, dsi
             if cache_dir:
                 os.makedirs(cache_dir, exist_ok=True)
-                base = os.path.join(cache_dir, f"{self.hash}-BlendedDataset-{split}")
-                for k, arr in zip(names, (di, dsi)):
-                    tmp = f"{base}-{k}.tmp{os.getpid()}.npy"
-                    np.save(tmp, arr, allow_pickle=False)
-                    os.replace(tmp, f"{base}-{k}.npy")
-                with open(f"{base}-description.txt", "w") as f:
-                    f.write(self.description)
+                index_cache.save(os.path.join(cache_dir, f"{self.hash}-BlendedDataset-{split}"),
+                                 dict(zip(names, (di, dsi))), self.description)
         counts = np.bincount(np.asarray(self.dataset_index, dtype=np.int64),
                              minlength=len(datasets))
         for k, (c, d) in enumerate(zip(counts, datasets)):

@@ -3,6 +3,8 @@ Megatron's prebuilt index files, data_path parsing and bad input."""
 
 import json
 import math
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -63,6 +65,32 @@ def test_cache_round_trip(tmp_path):
         "BlendedDataset-train-dataset_index.npy", "BlendedDataset-train-dataset_sample_index.npy",
         "BlendedDataset-train-description.txt"]
     np.testing.assert_array_equal(first.dataset_index, again.dataset_index)
+
+
+def test_damaged_cached_blend_is_rebuilt_with_one_warning(tmp_path, caplog):
+    """A truncated cached blend index is rebuilt after one warning line naming it (numpy's "mmap length is
+    greater than file size", naming no file, before)."""
+    c = BLENDS["blend3"]
+    first = _build(c, cache_dir=str(tmp_path))[0]
+    (f,) = tmp_path.glob("*-BlendedDataset-train-dataset_index.npy")
+    os.truncate(f, os.path.getsize(f) // 2)
+    caplog.clear()
+    again = _build(c, cache_dir=str(tmp_path))[0]
+    assert again.source == "built" and all(d.source == "cache" for d in again.datasets)
+    (rec,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert f.name in rec.getMessage() and "rebuilding" in rec.getMessage()
+    np.testing.assert_array_equal(first.dataset_index, again.dataset_index)
+    assert _build(c, cache_dir=str(tmp_path))[0].source == "cache"
+
+
+def test_damaged_prebuilt_blend_is_a_named_error(tmp_path):
+    """Megatron's prebuilt blend indices (blend_index_dir), one truncated: a DataError naming the file."""
+    c = BLENDS["blend2"]
+    shutil.copytree(FIX / "megatron_cache_blend2", tmp_path / "m")
+    (f,) = (tmp_path / "m").glob("*-BlendedDataset-train-dataset_sample_index.npy")
+    os.truncate(f, os.path.getsize(f) - 8)
+    with pytest.raises(DataError, match=re.escape(str(f)) + r": not a whole \.npy file .*blend_index_dir are damaged"):
+        _build(c, index_dir=str(tmp_path / "m"), cache_dir=str(tmp_path / "cache"))
 
 
 def _naive_greedy(weights, size):

@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from ling2.data import gather
+from ling2.data import gather, index_cache
 from ling2.data.errors import DataError
 from ling2.data.indexed import CODES, IndexedDataset
 
@@ -226,12 +226,6 @@ def build_indices(sequence_lengths: np.ndarray, indices: np.ndarray, seq_length:
     return doc, sample, shuffle
 
 
-def _save(path: str, arr: np.ndarray) -> None:
-    tmp = f"{path}.tmp{os.getpid()}.npy"
-    np.save(tmp, arr, allow_pickle=False)
-    os.replace(tmp, path)
-
-
 def megatron_descriptions(index_dir: Optional[str], kind: str, split: str):
     """(base path, parsed description.txt) of each readable `{md5}-{kind}-{split}` index set in a directory.
 
@@ -285,6 +279,12 @@ def same_dir(a: Optional[str], b: Optional[str]) -> bool:
     return bool(a and b and os.path.isdir(a) and os.path.isdir(b) and os.path.samefile(a, b))
 
 
+def rebuildable(source: str, base: str, index_dir: Optional[str], cache_dir: Optional[str]) -> bool:
+    """Whether a damaged index set may be rebuilt: it is in our cache, found there by its hash
+    (`source` "cache"), or written by us in a blend_index_dir that is also the cache."""
+    return source == "cache" or (same_dir(index_dir, cache_dir) and index_cache.ours(base))
+
+
 def _find_prebuilt(index_dir: Optional[str], dataset_path: str, split: str, want: dict,
                    num_sequences: int, strict: bool = True) -> Optional[str]:
     """Base path `{dir}/{md5}-GPTDataset-{split}` of the prebuilt indices (Megatron's or ours)
@@ -318,7 +318,7 @@ class GPTDataset:
     DataError naming file, sequence and offset of one outside [0, vocab_size). Indices are
     loaded from prebuilt `.npy` in `index_dir` when it has a set for this dataset (which must
     match the request, unless `index_dir` is also `cache_dir`), else from / to our cache in
-    `cache_dir`, else built in memory.
+    `cache_dir`, else built in memory; loaded sets are verified first (`index_cache`).
     """
 
     def __init__(self, dataset: IndexedDataset, split: str = "train",
@@ -360,8 +360,10 @@ class GPTDataset:
             base = os.path.join(cache_dir, f"{self.hash}-GPTDataset-{split}")
             self.source = "cache"
         names = ("document_index", "sample_index", "shuffle_index")
-        if base is not None and all(os.path.isfile(f"{base}-{k}.npy") for k in names):
-            doc, sample, shuffle = (np.load(f"{base}-{k}.npy", mmap_mode="r") for k in names)
+        loaded = None if base is None else index_cache.load(
+            base, names, rebuild=rebuildable(self.source, base, index_dir, cache_dir))
+        if loaded is not None:
+            doc, sample, shuffle = loaded
             self._check_loaded(base, doc, sample, shuffle, beg, end)
             want_n = sample_count(epochs * tokens, self.seq_length, self.add, drop_last,
                                   exact_sample_count)
@@ -374,9 +376,6 @@ class GPTDataset:
                     + f") makes {want_n} over {epochs} epoch(s) of {end - beg} sequences: "
                     f"the indices were built for another request")
         else:
-            if base is not None and self.source == "megatron":
-                raise DataError(f"{base}-description.txt: the index files next to it are "
-                                f"missing ({', '.join(f'{base}-{k}.npy' for k in names)})")
             self.source = "built"
             doc, sample, shuffle = build_indices(
                 dataset.sequence_lengths, np.arange(beg, end, dtype=np.int64), self.seq_length,
@@ -384,11 +383,8 @@ class GPTDataset:
                 exact=exact_sample_count)
             if cache_dir:
                 os.makedirs(cache_dir, exist_ok=True)
-                base = os.path.join(cache_dir, f"{self.hash}-GPTDataset-{split}")
-                for k, arr in zip(names, (doc, sample, shuffle)):
-                    _save(f"{base}-{k}.npy", arr)
-                with open(f"{base}-description.txt", "w") as f:
-                    f.write(self.description)
+                index_cache.save(os.path.join(cache_dir, f"{self.hash}-GPTDataset-{split}"),
+                                 dict(zip(names, (doc, sample, shuffle))), self.description)
         self.document_index, self.sample_index, self.shuffle_index = doc, sample, shuffle
         # Samples before n_full are full; later ones (keep-partial) may be short.
         self.n_full = min(len(sample) - 1, (epochs * tokens - self.add) // self.seq_length)

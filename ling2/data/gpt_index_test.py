@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from ling2 import native
-from ling2.data import gather
+from ling2.data import gather, index_cache
 from ling2.data import gpt_index as G
 from ling2.data.errors import DataError
 from ling2.data.indexed import IndexedDataset, write_dataset
@@ -19,6 +20,17 @@ FIX = Path(__file__).resolve().parent / "testdata" / "megatron"
 META = json.loads((FIX / "cases.json").read_text())
 CASES = [(c, s) for c in META["gpt_cases"] for s in c["splits"]]
 NAMES = ("document_index", "sample_index", "shuffle_index")
+
+
+def restamp(cache_dir):
+    """Records the current size and CRC-32 of every cached `.npy` in its set's description, as if the
+    files had been written so: tests of what loading checks beyond the checksums."""
+    for desc in Path(cache_dir).glob("*-description.txt"):
+        d, base = json.loads(desc.read_text()), str(desc)[:-len("-description.txt")]
+        for k in d[index_cache.FILES]:
+            npy = index_cache.npy_path(base, k)
+            d[index_cache.FILES][k] = {"bytes": os.path.getsize(npy), "crc32": index_cache.crc32(npy)}
+        desc.write_text(json.dumps(d))
 
 
 def _gpt(c, split, **kw):
@@ -113,6 +125,98 @@ def test_cache_round_trip(tmp_path):
         np.testing.assert_array_equal(getattr(first, k), getattr(again, k))
 
 
+def _truncate(path, keep=0.5):
+    os.truncate(path, int(os.path.getsize(path) * keep))
+
+
+def _flip_last_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "changed", "no records", "unreadable description"])
+def test_damaged_cache_is_rebuilt_with_one_warning(tmp_path, caplog, damage):
+    """A cached index set is verified on load against the size and CRC-32 its description records;
+    a damaged one (here its sample index) is rebuilt, with one warning line naming it (a truncated
+    one used to fail in numpy with "mmap length is greater than file size", naming no file)."""
+    c = next(c for c in META["gpt_cases"] if c["name"] == "multi_epoch")
+    first = _gpt(c, "train", cache_dir=str(tmp_path))
+    (desc,) = tmp_path.glob("*-description.txt")
+    assert set(json.loads(desc.read_text())[index_cache.FILES]) == set(NAMES)
+    (f,) = tmp_path.glob("*-sample_index.npy")
+    if damage == "truncated":
+        _truncate(f)
+    elif damage == "changed":
+        _flip_last_byte(f)
+    elif damage == "no records":  # a set written before sizes and checksums were recorded
+        desc.write_text(first.description)
+    else:
+        _truncate(desc)
+    caplog.clear()
+    again = _gpt(c, "train", cache_dir=str(tmp_path))
+    assert again.source == "built"
+    (rec,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    name = desc.name if damage in ("no records", "unreadable description") else f.name
+    assert name in rec.getMessage() and "rebuilding the damaged cached indices" in rec.getMessage()
+    for k in NAMES:
+        np.testing.assert_array_equal(getattr(first, k), getattr(again, k))
+    caplog.clear()
+    assert _gpt(c, "train", cache_dir=str(tmp_path)).source == "cache"  # rewritten whole
+    assert not caplog.records and len(list(tmp_path.iterdir())) == 4
+
+
+def test_damaged_set_of_ours_in_an_index_dir_that_is_the_cache_is_rebuilt(tmp_path, caplog):
+    c = next(c for c in META["gpt_cases"] if c["name"] == "multi_epoch")
+    d = str(tmp_path)
+    _gpt(c, "train", cache_dir=d, index_dir=d)
+    (f,) = tmp_path.glob("*-document_index.npy")
+    _truncate(f)
+    caplog.clear()
+    assert _gpt(c, "train", cache_dir=d, index_dir=d).source == "built"
+    assert [f.name in r.getMessage() for r in caplog.records] == [True]
+    assert _gpt(c, "train", cache_dir=d, index_dir=d).source == "megatron"  # found by its description
+
+
+def test_unfinished_cache_set_is_built_quietly(tmp_path, caplog):
+    """The description is written last: index files without it are an unfinished write, not damage."""
+    c = next(c for c in META["gpt_cases"] if c["name"] == "multi_epoch")
+    _gpt(c, "train", cache_dir=str(tmp_path))
+    (desc,) = tmp_path.glob("*-description.txt")
+    desc.unlink()
+    caplog.clear()
+    assert _gpt(c, "train", cache_dir=str(tmp_path)).source == "built" and not caplog.records
+    assert desc.is_file()
+
+
+@pytest.mark.parametrize("whose", ["megatron", "ours"])
+def test_damaged_prebuilt_indices_are_a_named_error(tmp_path, whose):
+    """blend_index_dir holds prebuilt indices, not ours to rebuild: a truncated file is a DataError
+    naming it (Megatron's sets record no checksums: they are checked to load whole); a set of ours
+    there is checked against its records."""
+    c = next(c for c in META["gpt_cases"] if c["name"] == "multi_epoch")
+    index_dir = tmp_path / "prebuilt"
+    if whose == "megatron":
+        shutil.copytree(FIX / "megatron_cache", index_dir)
+    else:
+        _gpt(c, "train", cache_dir=str(index_dir))
+    (f,) = index_dir.glob("*-GPTDataset-train-shuffle_index.npy")
+    _truncate(f)
+    with pytest.raises(DataError, match=re.escape(str(f)) + r": (not a whole \.npy file of \d+ bytes "
+                                        r"\(mmap length is greater than file size\)|\d+ bytes, \d+ when written)"
+                                        r".*blend_index_dir are damaged"):
+        _gpt(c, "train", index_dir=str(index_dir), cache_dir=str(tmp_path / "cache"))
+    if whose == "ours":  # whole again, then one byte changed
+        _gpt(c, "train", cache_dir=str(tmp_path / "fresh"))
+        (good,) = (tmp_path / "fresh").glob("*-shuffle_index.npy")
+        shutil.copyfile(good, f)
+        _flip_last_byte(f)
+        with pytest.raises(DataError, match=re.escape(str(f)) + ": checksum mismatch"):
+            _gpt(c, "train", index_dir=str(index_dir))
+
+
 def test_loads_megatron_prebuilt_npy(tmp_path):
     """blend_index_dir: Megatron's own cache files (matched by their description.txt)."""
     c = next(c for c in META["gpt_cases"] if c["name"] == "multi_epoch")
@@ -205,11 +309,13 @@ def test_reader_rejects_an_index_that_does_not_fit(tmp_path):
     bad = np.array(g.sample_index)
     bad[1, 1] = 5  # offset 5 in a sequence of 3 or 4 tokens
     np.save(f, bad)
+    restamp(tmp_path / "c")
     with pytest.raises(ValueError, match=r"d: sample 0 reads tokens \[0, 6\) of sequence "
                                          r"\d of length \d: the sample index does not fit"):
         G.GPTDataset(ds, "train", "1,0,0", 2, cache_dir=str(tmp_path / "c"))  # checked on load
     bad[1] = (-1, 0)
     np.save(f, bad)
+    restamp(tmp_path / "c")
     with pytest.raises(ValueError, match=r"sample_index.npy: position outside the document "
                                          r"index \[0, 3\)"):
         G.GPTDataset(ds, "train", "1,0,0", 2, cache_dir=str(tmp_path / "c"))
@@ -358,6 +464,7 @@ def test_our_cache_is_int32_as_megatrons(tmp_path):
         assert np.load(ours).dtype == np.int32, k
         assert ours.stat().st_size == theirs.stat().st_size, k
         np.save(ours, np.load(ours).astype(np.int64))
+    restamp(tmp_path / "c")
     again = _gpt(c, "train", cache_dir=str(tmp_path / "c"))
     assert again.source == "cache" and again.sample_index.dtype == np.int64
     np.testing.assert_array_equal(again.samples(np.arange(len(g))), g.samples(np.arange(len(g))))

@@ -1,9 +1,10 @@
 """Megatron-LM `.bin`/`.idx` token datasets: a zero-copy mmap reader and a streaming writer.
 
-`.idx` layout (little-endian): magic `MMIDIDX\\0\\0` (9 bytes), version u64 = 1, dtype code u8,
-sequence count u64, document count u64 (= documents + 1), then int32 sequence lengths,
-int64 byte pointers into `.bin`, int64 document indices (sequence ids; document d is
-sequences [di[d], di[d+1])), and, for multimodal files only, int8 sequence modes.
+`.idx` layout (little-endian): magic `MMIDIDX\\0\\0` (9 bytes), version u64 = 1, dtype code u8
+(Megatron's codes; only the integer ones, 1-5 and 8, are token files), sequence count u64,
+document count u64 (= documents + 1), then int32 sequence lengths, int64 byte pointers into
+`.bin`, int64 document indices (sequence ids; document d is sequences [di[d], di[d+1])), and,
+for multimodal files only, int8 sequence modes.
 `.bin` is the raw concatenated tokens. The writer's output is byte-identical to Megatron's
 `IndexedDatasetBuilder` for the same tokens. All byte arithmetic is int64.
 """
@@ -35,6 +36,7 @@ DTYPES = {
     8: np.dtype(np.uint16),
 }
 CODES = {dt: code for code, dt in DTYPES.items()}
+TOKEN_CODES = {code for code, dt in DTYPES.items() if dt.kind in "iu"}  # float codes hold no token ids
 
 
 class DataFormatError(DataError):
@@ -89,6 +91,10 @@ class IndexedDataset:
         code = head[17]
         if code not in DTYPES:
             raise DataFormatError(f"{ipath}: unknown dtype code {code} at byte 17")
+        if code not in TOKEN_CODES:
+            raise DataFormatError(
+                f"{ipath}: dtype code {code} ({DTYPES[code]}) at byte 17 is not an integer type; "
+                f"token files use codes {sorted(TOKEN_CODES)} (Megatron's integer dtypes)")
         self.dtype = DTYPES[code]
         n, d = struct.unpack("<QQ", head[18:34])
         self._check_counts(ipath, isize, n, d)
@@ -231,8 +237,8 @@ class IndexedDatasetBuilder:
 
     def __init__(self, bin_file: str, dtype=np.int32, multimodal: bool = False):
         self.dtype = np.dtype(dtype)
-        if self.dtype not in CODES:
-            raise ValueError(f"{bin_file}: unsupported token dtype {self.dtype}")
+        if self.dtype not in CODES or CODES[self.dtype] not in TOKEN_CODES:
+            raise ValueError(f"{bin_file}: unsupported token dtype {self.dtype} (token ids are integers)")
         self.bin_file = bin_file
         self._out = open(bin_file, "wb")
         self.multimodal = multimodal

@@ -19,7 +19,8 @@ def _docs():
 
 
 def test_round_trip_all_dtypes(tmp_path):
-    for code, dt in I.DTYPES.items():
+    for code in sorted(I.TOKEN_CODES):
+        dt = I.DTYPES[code]
         prefix = str(tmp_path / f"d{code}")
         I.write_dataset(prefix, _docs(), dtype=dt)
         ds = I.IndexedDataset(prefix)
@@ -148,6 +149,19 @@ def test_bad_dtype_code(good):
     _patch(good + ".idx", 17, bytes([9]))
     with pytest.raises(I.DataFormatError, match=r"g\.idx: unknown dtype code 9 at byte 17"):
         I.IndexedDataset(good)
+
+
+@pytest.mark.parametrize("code,name,written", [(7, "float32", np.int32), (6, "float64", np.int64)])
+def test_float_dtype_code_is_not_a_token_file(tmp_path, code, name, written):
+    """Megatron's codes 6 and 7 are floats: read as token ids they would be truncated values."""
+    prefix = str(tmp_path / "f")
+    I.write_dataset(prefix, [[[1, 2, 3]], [[4, 5]]], dtype=written)
+    _patch(prefix + ".idx", 17, bytes([code]))
+    with pytest.raises(I.DataFormatError, match=rf"f\.idx: dtype code {code} \({name}\) at byte 17 is "
+                                                r"not an integer type; token files use codes \[1, 2, 3, 4, 5, 8\]"):
+        I.IndexedDataset(prefix)
+    with pytest.raises(ValueError, match=rf"x\.bin: unsupported token dtype {name}"):
+        I.IndexedDatasetBuilder(str(tmp_path / "x.bin"), dtype=name)
 
 
 def test_truncated_idx(good):

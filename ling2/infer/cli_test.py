@@ -13,11 +13,12 @@ from flax import nnx
 from ling2.checkpoint.manager import Checkpointer
 from ling2.config import load_config
 from ling2.convert import convert
+from ling2.convert.testing.hf_fixtures import mtp_names, write_random_hf
 from ling2.checkpoint.state import save_state
 from ling2.infer.evaluation import evaluate
 from ling2.infer.generation import generate
 from ling2.infer.load import find_file, load_model
-from ling2.infer.testing.models import MICRO
+from ling2.infer.testing.models import LING3_MICRO, MICRO
 from ling2.layers.model import Ling2Model
 from ling2.train.state import trainable_filter
 
@@ -92,6 +93,22 @@ def test_generate_bad_input_exits_2(ckpts, args, message):
     r = run("generate", *[a.format(tmp=ckpts) for a in args])
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert message in r.stderr
+
+
+def test_generate_on_a_hf_ling3_saved_without_mtp(tmp_path):
+    """A Ling 3 directory as transformers saves it (MTP declared in config.json, no MTP tensors): generate
+    runs without MTP after a one-line note; --speculative_mtp exits 2 naming the missing MTP weights."""
+    cfg = load_config(LING3_MICRO)
+    write_random_hf(tmp_path / "hf", cfg, "bailing_hybrid", drop=mtp_names(cfg, "bailing_hybrid"))
+    args = [f"--ckpt={tmp_path / 'hf'}", "--prompt_ids=5,6,7", "--max_new_tokens=3", "--json"]
+    r = run("generate", *args)
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["ids"][0]) == 3
+    notes = [line for line in r.stderr.splitlines() if "MTP" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: ") and "loading without MTP" in notes[0], r.stderr
+    r = run("generate", *args, "--speculative_mtp")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "error: --speculative_mtp: " in r.stderr and "has no MTP weights" in r.stderr
 
 
 def test_evaluate_json_equals_the_api(ckpts):

@@ -9,7 +9,9 @@ DIR: a trainer run or step directory, a Ling2 state directory or a Hugging Face 
 holds one prompt per line, text or a JSON object {"prompt": TEXT} / {"ids": [...]}. Text goes
 through --tokenizer (default: the HF directory's tokenizer.json, else the config's
 tokenizer_path). key=value pairs override the checkpoint's config (e.g. dtype=bfloat16).
---json prints {"ids": [[new tokens], ...]} on stdout (statistics on stderr). Bad input exits 2.
+--json prints {"ids": [[new tokens], ...]} on stdout (statistics on stderr). Bad input exits 2,
+and so does --speculative_mtp on a HF directory without the MTP weights its config.json declares
+(transformers does not save a Ling 3 model's), which otherwise loads without MTP.
 """
 
 import json
@@ -122,7 +124,7 @@ def main(argv):
             raise InferError(f"--max_new_tokens={FLAGS.max_new_tokens}: must be given and >= 1")
         prompts = read_prompts()
         check_sampling(Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p), 1 << 62)
-        loaded = load_model(user_path(FLAGS.ckpt), *argv[1:])
+        loaded = load_model(user_path(FLAGS.ckpt), *argv[1:], need_mtp=FLAGS.speculative_mtp)
         tok = load_tokenizer(loaded, needed=any(isinstance(p, str) for p in prompts))
         ids = [tok.encode(p, add_special_tokens=False).ids if isinstance(p, str) else p for p in prompts]
         for i, p in enumerate(ids):

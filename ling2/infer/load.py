@@ -5,13 +5,16 @@
   a trainer step directory ({run}/checkpoints/{step}: state/ + meta/, the config recorded in meta),
   a Ling2 state directory (config.yml + state/, the converter's output), or
   a Hugging Face directory (config.json + safetensors; converted in memory, computing in its
-  torch_dtype, stopping at its eos_token_id).
+  torch_dtype, stopping at its eos_token_id). One whose config.json declares MTP layers but which
+  holds none of their tensors (transformers saves a Ling 3 model so) loads without MTP, with a note
+  on stderr.
 The model is built unscanned (decode slices no stacked weights) and with the dropless MoE
 (`INFER_OVERRIDES`); the weights are re-laid out when the checkpoint was scanned.
 """
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -119,9 +122,24 @@ def _model(cfg, state: dict) -> Ling2Model:
     return model
 
 
-def load_model(ckpt, *overrides, progress: bool = False) -> Loaded:
+def _missing_mtp(path: Path, layers: int, need_mtp: bool) -> None:
+    """For a HF checkpoint with none of the `layers` MTP layers' tensors its config.json declares: a
+    one-line note that it loads without them, or with `need_mtp` an InferError naming --speculative_mtp."""
+    declared = (f"config.json declares {layers} MTP layer(s) but the checkpoint holds none of their tensors "
+                "(transformers does not save them)")
+    if need_mtp:
+        raise InferError(f"--speculative_mtp: {path} has no MTP weights: {declared}; generate without "
+                         "--speculative_mtp, or from a checkpoint that has them")
+    print(f"note: {path}: loading without MTP: {declared}", file=sys.stderr)
+
+
+def load_model(ckpt, *overrides, progress: bool = False, need_mtp: bool = False) -> Loaded:
     """The model and config of checkpoint directory `ckpt`; `overrides` ("key=value" or mappings) apply
-    to its config (model-shape changes fail with the checkpoint's mismatch error)."""
+    to its config (model-shape changes fail with the checkpoint's mismatch error).
+
+    A HF checkpoint without the MTP tensors its config.json declares loads with mtp_num_layers=0 (a
+    note on stderr says so); with `need_mtp` (the caller drafts with MTP: --speculative_mtp) it is an
+    InferError instead, raised before any weight is read."""
     path = Path(ckpt)
     kind = kind_of(path)
     step_dir = latest_step_dir(path) if kind == "run" else path
@@ -131,7 +149,12 @@ def load_model(ckpt, *overrides, progress: bool = False) -> Loaded:
             layout = hf_config.detect_layout(hf)
             dtype = HF_DTYPES.get(str(hf.get("torch_dtype", hf.get("dtype", ""))), "float32")
             cfg = hf_config.load_ling2_config(hf, layout, {"dtype": dtype}, *overrides, INFER_OVERRIDES)
-            state = convert.hf_to_state(ShardedReader(path), cfg, layout, progress=progress)
+            reader = ShardedReader(path)
+            if convert.mtp_absent(reader, cfg, layout):
+                _missing_mtp(path, cfg.mtp_num_layers, need_mtp)
+                cfg = hf_config.load_ling2_config(hf, layout, {"dtype": dtype}, *overrides, INFER_OVERRIDES,
+                                                  {"mtp_num_layers": 0})
+            state = convert.hf_to_state(reader, cfg, layout, progress=progress)
             return Loaded(cfg, _model(cfg, state), kind, path, hf_stop_ids(path, hf))
         if kind == "state":
             saved, cfg = read_config(path / CONFIG_NAME), read_config(path / CONFIG_NAME, *overrides, INFER_OVERRIDES)

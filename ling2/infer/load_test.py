@@ -14,8 +14,9 @@ from ling2.checkpoint.manager import Checkpointer, saved_config
 from ling2.checkpoint.state import save_state
 from ling2.config import load_config, to_yaml
 from ling2.convert import convert
+from ling2.convert.testing.hf_fixtures import mtp_names, write_random_hf
 from ling2.infer.load import InferError, hf_stop_ids, kind_of, load_model
-from ling2.infer.testing.models import MICRO
+from ling2.infer.testing.models import LING3_MICRO, MICRO
 from ling2.layers.model import Ling2Model
 from ling2.train.optim import make_optimizer
 from ling2.train.state import trainable_filter
@@ -83,6 +84,28 @@ def test_bad_directories_are_named(saved, tmp_path):
         load_model(tmp_path / "r")
     with pytest.raises(InferError, match="does not match the config"):
         load_model(tmp / "state", "base_emb_dim=32")
+
+
+def test_hf_ling3_without_mtp_tensors_loads_without_mtp(tmp_path, capfd):
+    """transformers saves a Ling 3 model with no MTP tensors while its config.json still declares MTP
+    layers: it loads without MTP, says so in one line, and is the model its main tensors make;
+    --speculative_mtp (need_mtp) is a named error instead."""
+    cfg = load_config(LING3_MICRO)
+    write_random_hf(tmp_path / "hf", cfg, "bailing_hybrid", drop=mtp_names(cfg, "bailing_hybrid"))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    capfd.readouterr()
+    loaded = load_model(tmp_path / "hf")
+    err = capfd.readouterr().err
+    assert loaded.cfg.mtp_num_layers == 0 and loaded.model.mtp is None
+    notes = [line for line in err.splitlines() if "MTP" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: ") and "loading without MTP" in notes[0], err
+    plain = load_model(tmp_path / "hf", "mtp_num_layers=0")  # the same main weights, nothing to note
+    assert "MTP" not in capfd.readouterr().err
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+    fwd = nnx.jit(lambda m, x: m(x).logits)
+    np.testing.assert_array_equal(np.asarray(fwd(loaded.model, ids)), np.asarray(fwd(plain.model, ids)))
+    with pytest.raises(InferError, match=r"--speculative_mtp: .* has no MTP weights: config.json declares 1 MTP"):
+        load_model(tmp_path / "hf", need_mtp=True)
 
 
 def test_hf_stop_ids_follow_generation_config_then_config(tmp_path):

@@ -22,7 +22,7 @@ class RoutedBias(nnx.Variable):
 
 
 class Routing(NamedTuple):
-    weights_TK: jax.Array  # f32, from the unbiased scores, normalised, times routed_scaling_factor
+    weights_TK: jax.Array  # f32: the unbiased scores, normalised if configured, times routed_scaling_factor
     experts_TK: jax.Array  # int32 expert ids, best first
     logits_TE: jax.Array  # f32 gate logits
     scores_TE: jax.Array  # f32 unbiased sigmoid/softmax scores
@@ -54,13 +54,18 @@ def select_experts(choice_TE, k: int, n_groups: int, topk_groups: int):
 
 
 def route(x_TD, kernel_DE, bias_E, cfg) -> Routing:
-    """Routes T tokens. The gate matmul is fp32 at full precision whatever cfg.dtype is."""
+    """Routes T tokens. The gate matmul is fp32 at full precision whatever cfg.dtype is.
+
+    The weights are the chosen experts' unbiased scores, divided by their sum (+1e-20) when
+    `sigmoid_renormalize` (sigmoid) or `norm_topk_prob` (softmax) asks for it, then times
+    `routed_scaling_factor` either way, as the DeepSeek-V3 and Ling 3 routers do."""
     logits_TE = jnp.dot(x_TD.astype(F32), kernel_DE.astype(F32), precision=jax.lax.Precision.HIGHEST)
     scores_TE = scores_from_logits(logits_TE, cfg.routed_score_func)
     choice_TE = scores_TE if bias_E is None else scores_TE + bias_E.astype(F32)
     experts_TK = select_experts(choice_TE, cfg.num_experts_per_tok, cfg.n_routing_groups, cfg.topk_routing_group)
     weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
-    if cfg.routed_score_func == "sigmoid" or cfg.norm_topk_prob:
+    renormalize = cfg.sigmoid_renormalize if cfg.routed_score_func == "sigmoid" else cfg.norm_topk_prob
+    if renormalize:
         weights_TK = weights_TK / (weights_TK.sum(-1, keepdims=True) + 1e-20)
     return Routing(weights_TK * cfg.routed_scaling_factor, experts_TK, logits_TE, scores_TE)
 

@@ -28,3 +28,9 @@ def write_random_hf(directory, cfg, layout="bailing", drop=(), rename=None, extr
     w.close()
     (directory / "config.json").write_text(json.dumps(hf_config.config_to_hf(cfg, layout)))
     return tensors
+
+
+def mtp_names(cfg, layout="bailing"):
+    """The HF names of `cfg`'s MTP tensors in `layout` (to drop, as transformers' save_pretrained of Ling 3 does)."""
+    leaves = abstract_state(cfg)
+    return [e.hf for e in mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()}) if e.mtp]

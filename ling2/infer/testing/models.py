@@ -11,6 +11,9 @@ from ling2.layers.model import Ling2Model
 
 # init_std 0.1: peaked next-token distributions, so greedy argmaxes are far from ties.
 MICRO = {"model_name": "ling2-micro", "init_std": 0.1}
+# A small Ling 3 (KDA, KDA, gated MLA) with one MTP layer.
+LING3_MICRO = {"model_name": "ling3-tiny", "vocab_size": 256, "base_num_decoder_layers": 3,
+               "inhomogeneous_layer_cycle_interval": 3, "mtp_num_layers": 1}
 
 
 def micro(**overrides):
