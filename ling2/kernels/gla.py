@@ -172,7 +172,9 @@ def simple_gla(q, k, v, g, *, segment_ids=None, initial_state=None, scale=None, 
     B, T, H, K = q.shape
     Vd = v.shape[-1]
     if g.shape == (H,):
-        g_BTH = jnp.broadcast_to(g.astype(jnp.float32), (B, T, H))
+        # A per-head decay is a constant of the model: the barrier keeps XLA from constant-folding the
+        # [B, H, L] decay factors derived from it (seconds of compile time per layer at 32K tokens).
+        g_BTH = jnp.broadcast_to(jax.lax.optimization_barrier(g.astype(jnp.float32)), (B, T, H))
     elif g.shape != (B, T, H):
         raise ValueError(f"simple_gla: g must be [H]={H,} or [B,T,H]={B, T, H}, got {g.shape}")
     else:

@@ -9,9 +9,6 @@ backend config) is named ling2_gla_fwd / ling2_gla_dq / ling2_gla_dkdv, and no w
 backend (the same matmuls as plain einsums) compiled for the same chip.
 """
 
-import base64
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +16,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ling2.kernels import gla
+from ling2.kernels.testing import mosaic as testing_mosaic
 from ling2 import topology
 
 B, T, H = 2, 200, 2  # T not a multiple of the chunk (64): the padded tail is compiled too
@@ -49,14 +47,7 @@ def _fn(backend, segments, grad, interpret=False):
 
 
 def mosaic_kernels(hlo_text):
-    """Names of the Mosaic kernels called by a compiled TPU executable, one entry per call."""
-    names = []
-    for line in hlo_text.splitlines():
-        if 'custom_call_target="tpu_custom_call"' in line:
-            body = base64.b64decode(re.search(r'"body":"([A-Za-z0-9+/=]+)"', line).group(1))
-            assert body.startswith(b"ML\xefR"), "not MLIR bytecode"
-            names += sorted({m.decode() for m in re.findall(rb"ling2_gla_[a-z]+", body)})
-    return sorted(names)
+    return testing_mosaic.mosaic_kernels(hlo_text, "ling2_gla_")
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd_bwd"])

@@ -11,7 +11,8 @@ stored beyond the inputs).
 
 Backends: "chunked" (pure JAX, kda_chunked), "pallas_tpu", "pallas_gpu" (Pallas kernels for the
 forward and the backward; on CPU they run with interpret=True), the oracle "naive" (per-token
-scan, autodiff), and "auto" (TPU -> pallas_tpu, GPU -> pallas_gpu, else chunked). All chunked
+scan, autodiff), and "auto" (TPU -> pallas_tpu, CUDA -> pallas_gpu, else chunked), decided for the
+platform the computation is lowered for, as in `gla`. All chunked
 backends run the same per-chunk math (kda_chunk_math).
 Numerics: the state and every accumulation are fp32 (fp64 for fp64 inputs); "chunked" computes
 in fp32 throughout; with bf16 inputs the Pallas kernels feed data matmuls as bf16 (as fla does).
@@ -34,13 +35,13 @@ from ling2.kernels.vma import vary_like
 BACKENDS = ("auto", "chunked", "pallas_tpu", "pallas_gpu", "naive")
 
 
-def resolve_backend(backend: str) -> str:
-    """Maps "auto" to the backend for the default JAX platform."""
+def resolve_backend(backend: str, platform: str) -> str:
+    """The backend `backend` runs as when lowered for `platform` ("cpu", "tpu", "cuda", ...)."""
     if backend not in BACKENDS:
         raise ValueError(f"kda backend={backend!r}: expected one of {BACKENDS}")
     if backend != "auto":
         return backend
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "chunked")
+    return {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}.get(platform, "chunked")
 
 
 def prepare_beta(beta_BTH, C):
@@ -70,6 +71,33 @@ def _kernels(backend, interpret):
             functools.partial(mod.backward, interpret=interpret))
 
 
+def _fixed(which, backend, interpret, scale, C):
+    """Kernel `which` (0 forward, 1 backward) of one backend on array arguments; outputs cast to what every
+    backend agrees on (o in q's dtype, everything else in the accumulation dtype)."""
+    kernel = _kernels(backend, interpret)[which]
+
+    def run(*args):
+        out = kernel(*args, scale, C)
+        acc = kda_reference.acc_dtype(args[0].dtype)
+        if which == 0:
+            return out[0].astype(args[0].dtype), out[1].astype(acc)
+        return tuple(x.astype(acc) for x in out)
+
+    return run
+
+
+def _run_kernel(which, backend, interpret, scale, C, *args):
+    """Runs kernel `which` with "auto" and interpret=None decided for the platform the computation is lowered
+    for (`jax.lax.platform_dependent`), not the host's: a CPU host compiling for a TPU builds the Mosaic kernels."""
+    branch = functools.partial(_fixed, which, scale=scale, C=C)
+    if backend == "auto":
+        per = {p: branch(resolve_backend("auto", p), bool(interpret)) for p in ("tpu", "cuda")}
+        return jax.lax.platform_dependent(*args, default=branch(resolve_backend("auto", "cpu"), False), **per)
+    if backend in ("pallas_tpu", "pallas_gpu") and interpret is None:
+        return jax.lax.platform_dependent(*args, cpu=branch(backend, True), default=branch(backend, False))
+    return branch(backend, bool(interpret))(*args)
+
+
 def _zero_state(q_BTHK, v_BTHV):
     acc = kda_reference.acc_dtype(q_BTHK.dtype)
     B, _, H, K = q_BTHK.shape
@@ -78,10 +106,10 @@ def _zero_state(q_BTHK, v_BTHV):
 
 def _run_fwd(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, doc_BT, h0_BHKV, scale, C, backend, interpret):
     T = q_BTHK.shape[1]
-    fwd, _ = _kernels(backend, interpret)
     h0_BHKV = _zero_state(q_BTHK, v_BTHV) if h0_BHKV is None else h0_BHKV
-    o_BHLV, hT_BHKV = fwd(prepare(q_BTHK, C), prepare(k_BTHK, C), prepare(v_BTHV, C), prepare(g_BTHK, C),
-                          prepare_beta(beta_BTH, C), prepare_docs(doc_BT, C), h0_BHKV, scale, C)
+    o_BHLV, hT_BHKV = _run_kernel(0, backend, interpret, scale, C, prepare(q_BTHK, C), prepare(k_BTHK, C),
+                                  prepare(v_BTHV, C), prepare(g_BTHK, C), prepare_beta(beta_BTH, C),
+                                  prepare_docs(doc_BT, C), h0_BHKV)
     return o_BHLV.swapaxes(1, 2)[:, :T].astype(q_BTHK.dtype), hT_BHKV
 
 
@@ -99,11 +127,11 @@ def _kda_bwd(scale, C, backend, interpret, res, cts):
     q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, doc_BT, h0_BHKV = res
     do_BTHV, dhT_BHKV = cts
     T = q_BTHK.shape[1]
-    _, bwd = _kernels(backend, interpret)
     h0_or_zero = _zero_state(q_BTHK, v_BTHV) if h0_BHKV is None else h0_BHKV
-    dq_BHLK, dk_BHLK, dv_BHLV, dg_BHLK, dbeta_BHL, dh0_BHKV = bwd(
-        prepare(q_BTHK, C), prepare(k_BTHK, C), prepare(v_BTHV, C), prepare(g_BTHK, C), prepare_beta(beta_BTH, C),
-        prepare_docs(doc_BT, C), h0_or_zero, prepare(do_BTHV, C), dhT_BHKV, scale, C)
+    dq_BHLK, dk_BHLK, dv_BHLV, dg_BHLK, dbeta_BHL, dh0_BHKV = _run_kernel(
+        1, backend, interpret, scale, C, prepare(q_BTHK, C), prepare(k_BTHK, C), prepare(v_BTHV, C),
+        prepare(g_BTHK, C), prepare_beta(beta_BTH, C), prepare_docs(doc_BT, C), h0_or_zero, prepare(do_BTHV, C),
+        dhT_BHKV)
     back = lambda x, like: x.swapaxes(1, 2)[:, :T].astype(like.dtype)  # [B, H, L, ...] -> [B, T, H, ...]
     dh0_BHKV = None if h0_BHKV is None else dh0_BHKV.astype(h0_BHKV.dtype)
     return (back(dq_BHLK, q_BTHK), back(dk_BHLK, k_BTHK), back(dv_BHLV, v_BTHV), back(dg_BHLK, g_BTHK),
@@ -132,7 +160,8 @@ def kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None, scale=None, c
       chunk_size: tokens per chunk, a power of two >= 16.
       backend: one of BACKENDS.
       return_final_state: also return the state after the last token (fp32).
-      interpret: run Pallas kernels in interpret mode; default True on CPU.
+      interpret: run Pallas kernels in interpret mode; default (None): interpreted when lowered for CPU,
+        compiled otherwise.
     Returns:
       o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] fp32 if asked.
     """
@@ -157,17 +186,16 @@ def kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None, scale=None, c
     h0_BHKV = None if initial_state is None else initial_state.astype(acc)
     g_BTHK, beta_BTH = g.astype(acc), beta.astype(acc)
     scale = K**-0.5 if scale is None else float(scale)
-    backend = resolve_backend(backend)
+    if backend not in BACKENDS:
+        raise ValueError(f"kda backend={backend!r}: expected one of {BACKENDS}")
     if backend == "naive":
         h0_BHKV = _zero_state(q, v) if h0_BHKV is None else h0_BHKV
         o_BTHV, hT_BHKV = kda_reference.naive_recurrence(q, k, v, g_BTHK, beta_BTH, doc_BT, h0_BHKV, scale)
         o_BTHV = o_BTHV.astype(q.dtype)
     else:
-        if interpret is None:
-            interpret = jax.default_backend() == "cpu"
         h0_BHKV = None if h0_BHKV is None else vary_like(h0_BHKV, q)
         o_BTHV, hT_BHKV = _kda(q, k, v, g_BTHK, beta_BTH, doc_BT, h0_BHKV, scale, chunk_size, backend,
-                               bool(interpret))
+                               None if interpret is None else bool(interpret))
     return (o_BTHV, hT_BHKV) if return_final_state else o_BTHV
 
 

@@ -23,7 +23,7 @@ from ling2.kernels import kda_chunk_math as chunk
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _per_chunk(q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT, aux, C, *extra):
+def per_chunk(q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT, aux, C, *extra):
     """Chunked views [B, H, N, C, D] (beta, doc, first, last as columns [.., C, 1], doc also as rows [.., 1, C])."""
     B, H, T = beta_BHT.shape
     N = T // C
@@ -34,12 +34,13 @@ def _per_chunk(q_BHTK, k_BHTK, v_BHTV, g_BHTK, beta_BHT, aux, C, *extra):
             col(aux["first"]), col(aux["last"])) + tuple(ch(x) for x in extra)
 
 
-def _vmap3(f):
+def vmap3(f):
     return jax.vmap(jax.vmap(jax.vmap(f)))
 
 
-def _prologue(chunks, scale, dots):
-    return _vmap3(lambda *a: chunk.prologue(*a, scale, dots))(*chunks)
+def prologue(chunks, scale, dots):
+    """kda_chunk_math.prologue of every chunk at once: a dict of [B, H, N, ...] arrays."""
+    return vmap3(lambda *a: chunk.prologue(*a, scale, dots))(*chunks)
 
 
 def _lead(x):
@@ -61,12 +62,12 @@ def _states(kw_BHNCK, p, h0_BHKV, dots):
 def forward(q, k, v, g, beta, aux, h0, scale, C):
     """Returns o [B, H, T, V] and the final state [B, H, K, V], in the accumulation dtype."""
     dots = chunk.Dots(h0.dtype)
-    chunks = _per_chunk(*(x.astype(h0.dtype) for x in (q, k, v, g, beta)), aux, C)
-    p = _prologue(chunks, scale, dots)
+    chunks = per_chunk(*(x.astype(h0.dtype) for x in (q, k, v, g, beta)), aux, C)
+    p = prologue(chunks, scale, dots)
     q_BHNCK, k_BHNCK = chunks[:2]
     S_BHNKV, hT_BHKV = _states(k_BHNCK * p["omega"], p, h0, dots)
     out = lambda q, alpha, Aqk, S, U, W: chunk.output(q, alpha, Aqk, S, U - dots.data(W, S), scale, dots)
-    o_BHNCV = _vmap3(out)(q_BHNCK, p["alpha"], p["Aqk"], S_BHNKV, p["U"], p["W"])
+    o_BHNCV = vmap3(out)(q_BHNCK, p["alpha"], p["Aqk"], S_BHNKV, p["U"], p["W"])
     return o_BHNCV.reshape(v.shape), hT_BHKV
 
 
@@ -74,8 +75,8 @@ def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C):
     """Returns dq, dk, dv, dg (layout of q, k, v, g), dbeta [B, H, T] and d h0, in the accumulation dtype."""
     acc = h0.dtype
     dots = chunk.Dots(acc)
-    chunks = _per_chunk(*(x.astype(acc) for x in (q, k, v, g, beta)), aux, C, do.astype(acc))
-    p = _prologue(chunks[:-1], scale, dots)
+    chunks = per_chunk(*(x.astype(acc) for x in (q, k, v, g, beta)), aux, C, do.astype(acc))
+    p = prologue(chunks[:-1], scale, dots)
     q_BHNCK, k_BHNCK, do_BHNCV = chunks[0], chunks[1], chunks[-1]
     kw_BHNCK = k_BHNCK * p["omega"]
     S_BHNKV, _ = _states(kw_BHNCK, p, h0, dots)
@@ -93,7 +94,7 @@ def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C):
     dh0_BHKV, G_NBHKV = jax.lax.scan(
         step, dhT.astype(acc), (_lead(kw_BHNCK), _lead(p["W"]), _lead(p["lam"]), _lead(V_BHNKV)), reverse=True)
     G_BHNKV = jnp.moveaxis(G_NBHKV, 0, 2)
-    grads = _vmap3(lambda *a: chunk.backward(*a[:9], a[10], a[11], a[9], scale, dots, pre=a[12]))
+    grads = vmap3(lambda *a: chunk.backward(*a[:9], a[10], a[11], a[9], scale, dots, pre=a[12]))
     dq_BHNCK, dk_BHNCK, dv_BHNCV, dg_BHNCK, dbeta_BHNC1, _ = grads(*chunks, S_BHNKV, G_BHNKV, p)
     B, H, T = beta.shape
     return (dq_BHNCK.reshape(q.shape), dk_BHNCK.reshape(k.shape), dv_BHNCV.reshape(v.shape),

@@ -1,21 +1,26 @@
-"""Pallas GPU (Triton) kernels for chunked KDA.
+"""Pallas GPU (Triton) kernels for chunked KDA: the recurrence across chunks, and only that.
 
-GPU programs run in parallel, so nothing is carried across grid steps: the grid is
-(B, H, V / BLOCK_V) and each program loops over the N chunks of its sequence with a fori_loop
-carrying its fp32 slice of the state (K x BLOCK_V). Output columns only need their own state
-columns; the intra-chunk quantities (Aqk, Akk, T = (I + Akk)^-1) do not depend on V and are
-recomputed by every V block. Per-chunk math in kda_chunk_math.
-  forward: o and the final state (forward sweep).
-  states:  the backward's forward sweep, writing the state entering every chunk [B, H, N, K, V].
-  backward: reverse sweep carrying G = dL/d(state); dq, dk, dg and dbeta sum over all of V, so each
-           V block writes a partial that is summed outside.
-Per-token scalars (beta, doc, first, last) are [.., T] fp32 vectors. Triton needs power-of-two
-block shapes: K and V are zero-padded up to one (exact: padded key dims have k = 0, g = 0) and
-the chunk size is a power of two >= 16.
-Kernel refs hold one head's whole sequence: q, k, g and their gradients [T, K]; v, do, o, dv
-[T, BLOCK_V]; b (beta), doc, f (first), l (last), db [T]; the states [K, BLOCK_V] (Sin: [N, K, BLOCK_V]).
+Everything of a chunk that does not need the state (kda_chunk_math.prologue: the intra-chunk
+products, the (I + A)^-1 solve, U, W and the decays) and every chunk's gradients given its states
+are independent across chunks, so they run for all chunks at once as batched XLA (kda_chunked's
+vmapped math), where the GPU has B x H x N-way parallelism for them. What is sequential is a few
+matmuls per chunk, and those run as Triton kernels on grid (B, H, V / BLOCK_V), each program looping
+over the N chunks with its fp32 slice of the state (K x BLOCK_V) in registers:
+  forward: delta = U - W S;  o = scale (q alpha) S + Aqk delta;  S <- lam S + (k omega)^T delta
+           (o and the final state; for the backward, the state entering every chunk instead).
+  reverse: G <- lam G - W^T ((k omega) G) + Vc, with G = dL/d(state leaving the chunk) and
+           Vc = scale (q alpha)^T do - W^T (Aqk^T do) batched beforehand (G of every chunk, d h0).
+(Running the whole chunk math inside the sequential loop instead keeps a dozen [C, K] fp32 tiles
+live per program on only B x H x V / BLOCK_V programs: 59x fla's forward time on an H200,
+tools/bench/kda/NOTES.md.)
+Precision as the other backends' bf16 path (kda_chunk_math.Dots with TF32 for the decay products
+and the solve): data matmuls take operands in the input dtype, the state and accumulation are fp32.
+Triton needs power-of-two block shapes: K and V are zero-padded up to one (exact: padded key dims
+have zero k, W and lam) and the chunk size is a power of two >= 16.
+Kernel refs hold one head's whole sequence: qa (q alpha), W, kw (k omega) [T, K]; Aqk [T, C]; U, o
+[T, BLOCK_V]; lam [N, K]; states and their gradients [K, BLOCK_V] ([N, K, BLOCK_V] per chunk).
 Axes in names: B batch, H heads, T time (padded), N chunks, C chunk size, K key dim, V value dim
-(or a block of it), P V blocks (per-block partial sums).
+(or a block of it).
 """
 
 import functools
@@ -26,8 +31,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ling2.kernels import kda_chunk_math as chunk
+from ling2.kernels import kda_chunked, vma
 from ling2.kernels.gpu_padding import pad_last, pad_state, pow2
 
+_HI = jax.lax.Precision.HIGHEST
 BLOCK_V = 64  # state columns per program
 
 
@@ -35,64 +42,62 @@ def _dots(dt):
     return chunk.Dots(dt, mid_low=jax.lax.Precision.HIGH)  # TF32 for the decay products and the inverse
 
 
-def _load(refs, n, C):
-    """Chunk n of the [T, D] refs and of the [T] vectors (as columns, plus the document row)."""
-    s = pl.ds(pl.multiple_of(n * C, C), C)
-    mats, (b_ref, doc_ref, f_ref, l_ref) = refs[:-4], refs[-4:]
-    doc_C = doc_ref[s]
-    cols = (b_ref[s][:, None], doc_C[:, None], doc_C[None, :], f_ref[s][:, None], l_ref[s][:, None])
-    return s, [r[s, :] for r in mats], cols
+def _dot(a, b, dt, ta=False, tb=False):
+    """a @ b (optionally transposed) on operands cast to dt, fp32 accumulation; exact fp32 when dt is fp32."""
+    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    return jax.lax.dot_general(a.astype(dt), b.astype(dt), dims, precision=_HI if dt == jnp.float32 else None,
+                               preferred_element_type=jnp.float32)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, doc_ref, f_ref, l_ref, h0_ref, o_ref, hT_ref, *, scale, C, dt):
+def _chunk(n, C):
+    return pl.ds(pl.multiple_of(n * C, C), C)
+
+
+def _fwd_kernel(qa_ref, A_ref, U_ref, W_ref, kw_ref, lam_ref, h0_ref, o_ref, hT_ref, *, scale, C):
+    dt = qa_ref.dtype
+
     def body(n, S_KV):
-        s, (q_CK, k_CK, v_CV, g_CK), cols = _load((q_ref, k_ref, v_ref, g_ref, b_ref, doc_ref, f_ref, l_ref), n, C)
-        o_CV, S_KV = chunk.forward(q_CK, k_CK, v_CV, g_CK, *cols, S_KV, scale, _dots(dt))
-        o_ref[s, :] = o_CV.astype(o_ref.dtype)
-        return S_KV
+        s = _chunk(n, C)
+        delta_CV = U_ref[s, :] - _dot(W_ref[s, :], S_KV, dt)
+        o_ref[s, :] = (scale * _dot(qa_ref[s, :], S_KV, dt) + _dot(A_ref[s, :], delta_CV, dt)).astype(o_ref.dtype)
+        return lam_ref[n, :][:, None] * S_KV + _dot(kw_ref[s, :], delta_CV, dt, ta=True)
 
-    hT_ref[...] = jax.lax.fori_loop(0, q_ref.shape[0] // C, body, h0_ref[...])
+    hT_ref[...] = jax.lax.fori_loop(0, U_ref.shape[0] // C, body, h0_ref[...])
 
 
-def _states_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, doc_ref, f_ref, l_ref, h0_ref, Sin_ref, *, scale, C, dt):
+def _states_kernel(U_ref, W_ref, kw_ref, lam_ref, h0_ref, Sin_ref, *, C):
+    dt = W_ref.dtype
+
     def body(n, S_KV):
-        _, (q_CK, k_CK, v_CV, g_CK), cols = _load((q_ref, k_ref, v_ref, g_ref, b_ref, doc_ref, f_ref, l_ref), n, C)
+        s = _chunk(n, C)
         Sin_ref[n] = S_KV
-        return chunk.forward(q_CK, k_CK, v_CV, g_CK, *cols, S_KV, scale, _dots(dt))[1]
+        delta_CV = U_ref[s, :] - _dot(W_ref[s, :], S_KV, dt)
+        return lam_ref[n, :][:, None] * S_KV + _dot(kw_ref[s, :], delta_CV, dt, ta=True)
 
-    jax.lax.fori_loop(0, q_ref.shape[0] // C, body, h0_ref[...])
+    jax.lax.fori_loop(0, U_ref.shape[0] // C, body, h0_ref[...])
 
 
-def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, b_ref, doc_ref, f_ref, l_ref, Sin_ref, dhT_ref,
-                dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, *, scale, C, dt):
-    N = q_ref.shape[0] // C
+def _reverse_kernel(W_ref, kw_ref, lam_ref, Vc_ref, dhT_ref, G_ref, dh0_ref, *, C):
+    dt = W_ref.dtype
+    N = W_ref.shape[0] // C
 
     def body(r, G_KV):
         n = N - 1 - r
-        refs = (q_ref, k_ref, v_ref, g_ref, do_ref, b_ref, doc_ref, f_ref, l_ref)
-        s, (q_CK, k_CK, v_CV, g_CK, do_CV), cols = _load(refs, n, C)
-        dq_CK, dk_CK, dv_CV, dg_CK, dbeta_C1, G_KV = chunk.backward(q_CK, k_CK, v_CV, g_CK, *cols, Sin_ref[n], G_KV,
-                                                                    do_CV, scale, _dots(dt))
-        dq_ref[s, :], dk_ref[s, :], dv_ref[s, :], dg_ref[s, :] = dq_CK, dk_CK, dv_CV, dg_CK
-        db_ref[s] = dbeta_C1[:, 0]
-        return G_KV
+        s = _chunk(n, C)
+        G_ref[n] = G_KV
+        kG_CV = _dot(kw_ref[s, :], G_KV, dt)
+        return lam_ref[n, :][:, None] * G_KV - _dot(W_ref[s, :], kG_CV, dt, ta=True) + Vc_ref[n]
 
     dh0_ref[...] = jax.lax.fori_loop(0, N, body, dhT_ref[...])
 
 
-
 def _call(kernel, args, outs, kinds, BV, interpret, num_warps=4):
-    """Grid (B, H, V / BV). kinds[i] for each arg then output: "full" (whole per-head array), "doc" (a [B, T]
-    array shared by the heads), "v" (last dim split into V blocks of BV) or "part" (per-V-block partial sums,
-    leading axis)."""
+    """Grid (B, H, V / BV). kinds[i] for each arg then output: "full" (whole per-head array) or "v" (last dim
+    split into V blocks of BV)."""
     B, H = args[0].shape[:2]
-    NV = args[2].shape[-1] // BV
+    NV = outs[-1].shape[-1] // BV
 
     def spec(x, kind):
-        if kind == "part":
-            return pl.BlockSpec((None, None, None) + x.shape[3:], lambda b, h, j: (j, b, h) + (0,) * (x.ndim - 3))
-        if kind == "doc":
-            return pl.BlockSpec((None, x.shape[1]), lambda b, h, j: (b, 0))
         if kind == "v":
             return pl.BlockSpec((None, None) + x.shape[2:-1] + (BV,),
                                 lambda b, h, j: (b, h) + (0,) * (x.ndim - 3) + (j,))
@@ -110,47 +115,65 @@ def _check(C):
         raise ValueError(f"pallas_gpu: chunk_size={C} must be a power of two >= 16 (Triton block shapes)")
 
 
-def _common(q, k, v, g, beta, aux, block_v):
+def _sweep_inputs(q, k, v, g, beta, aux, scale, C, *extra):
+    """The batched prologue of every chunk, and the sweep operands padded for Triton: qa, W, kw [B, H, T, K]
+    and Aqk [B, H, T, C] in q's dtype, U [B, H, T, V] and lam [B, H, N, K] fp32."""
+    dt = q.dtype
     B, H, T, K0 = q.shape
     K, V = pow2(K0), pow2(v.shape[-1])
-    BV = min(V, block_v or BLOCK_V)
-    f32 = jnp.float32
-    vec = lambda x: x.astype(f32)[:, 0]  # [B, 1, T] -> [B, T]
-    qkvg = (pad_last(q, K), pad_last(k, K), pad_last(v, V), pad_last(g.astype(f32), K))
-    return qkvg, (beta.astype(f32),), (vec(aux["doc"]), vec(aux["first"]), vec(aux["last"])), K, V, BV
+    chunks = kda_chunked.per_chunk(q, k, v, g, beta, aux, C, *extra)
+    p = kda_chunked.prologue(chunks[:9], scale, _dots(dt))
+    flat = lambda x_BHNCD: x_BHNCD.reshape(B, H, T, x_BHNCD.shape[-1])
+    tk = lambda x_BHNCK: pad_last(flat(x_BHNCK).astype(dt), K)
+    ops = dict(qa=tk(chunks[0] * p["alpha"]), W=tk(p["W"]), kw=tk(chunks[1] * p["omega"]),
+               A=flat(p["Aqk"]).astype(dt), U=pad_last(flat(p["U"]).astype(jnp.float32), V),
+               lam=pad_last(p["lam"][..., 0].astype(jnp.float32), K))
+    return chunks, p, ops, K, V
+
+
+def _block(V, block_v):
+    return min(V, block_v or BLOCK_V)
 
 
 def forward(q, k, v, g, beta, aux, h0, scale, C, *, interpret=False, block_v=None):
     _check(C)
     B, H, T, K0 = q.shape
     V0 = v.shape[-1]
-    qkvg, bt, docs, K, V, BV = _common(q, k, v, g, beta, aux, block_v)
-    outs = [jax.ShapeDtypeStruct((B, H, T, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)]
-    kinds = ("full", "full", "v", "full", "full", "doc", "doc", "doc", "v", "v", "v")
-    o_BHTV, hT_BHKV = _call(functools.partial(_fwd_kernel, scale=scale, C=C, dt=q.dtype),
-                            qkvg + bt + docs + (pad_state(h0, K, V),), outs, kinds, BV, interpret)
+    _, _, ops, K, V = _sweep_inputs(q, k, v, g, beta, aux, scale, C)
+    outs = [vma.out_struct((B, H, T, V), q.dtype, q), vma.out_struct((B, H, K, V), jnp.float32, q)]
+    args = tuple(ops[n] for n in ("qa", "A", "U", "W", "kw", "lam")) + (pad_state(h0, K, V),)
+    o_BHTV, hT_BHKV = _call(functools.partial(_fwd_kernel, scale=scale, C=C), args, outs,
+                            ("full", "full", "v", "full", "full", "full", "v", "v", "v"), _block(V, block_v), interpret)
     return o_BHTV[..., :V0], hT_BHKV[:, :, :K0, :V0].astype(h0.dtype)
 
 
 def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C, *, interpret=False, block_v=None):
-    """dq, dk, dg and dbeta are sums over V blocks of per-block partials (each block sees its slice of S, G)."""
+    """States entering every chunk (forward sweep), dL/d(state leaving every chunk) (reverse sweep), then
+    every chunk's gradients at once."""
     _check(C)
     B, H, T, K0 = q.shape
     V0, N = v.shape[-1], T // C
-    f32 = jnp.float32
-    qkvg, bt, docs, K, V, BV = _common(q, k, v, g, beta, aux, block_v)
-    NV = V // BV
-    S_BHNKV = _call(functools.partial(_states_kernel, scale=scale, C=C, dt=q.dtype),
-                    qkvg + bt + docs + (pad_state(h0, K, V),), [jax.ShapeDtypeStruct((B, H, N, K, V), f32)],
-                    ("full", "full", "v", "full", "full", "doc", "doc", "doc", "v", "v"), BV, interpret)[0]
-    part = lambda *shape: jax.ShapeDtypeStruct((NV, B, H) + shape, f32)
-    dq_PBHTK, dk_PBHTK, dv_BHTV, dg_PBHTK, dbeta_PBHT, dh0_BHKV = _call(
-        functools.partial(_bwd_kernel, scale=scale, C=C, dt=q.dtype),
-        qkvg + (pad_last(do, V),) + bt + docs + (S_BHNKV, pad_state(dhT, K, V)),
-        [part(T, K), part(T, K), jax.ShapeDtypeStruct((B, H, T, V), f32), part(T, K), part(T),
-         jax.ShapeDtypeStruct((B, H, K, V), f32)],
-        ("full", "full", "v", "full", "v", "full", "doc", "doc", "doc", "v", "v",
-         "part", "part", "v", "part", "part", "v"), BV, interpret)
-    dq_BHTK, dk_BHTK, dg_BHTK, dbeta_BHT = (x.sum(0) for x in (dq_PBHTK, dk_PBHTK, dg_PBHTK, dbeta_PBHT))
-    return (dq_BHTK[..., :K0], dk_BHTK[..., :K0], dv_BHTV[..., :V0], dg_BHTK[..., :K0], dbeta_BHT,
-            dh0_BHKV[:, :, :K0, :V0])
+    f32, dt = jnp.float32, q.dtype
+    chunks, p, ops, K, V = _sweep_inputs(q, k, v, g, beta, aux, scale, C, do)
+    BV = _block(V, block_v)
+    S_BHNKV = _call(functools.partial(_states_kernel, C=C),
+                    (ops["U"], ops["W"], ops["kw"], ops["lam"], pad_state(h0, K, V)),
+                    [vma.out_struct((B, H, N, K, V), f32, q)], ("v", "full", "full", "full", "v", "v"), BV,
+                    interpret)[0]
+    do_BHNCV = chunks[9]
+    ein = lambda spec, a, b: jnp.einsum(spec, a.astype(dt), b.astype(dt), preferred_element_type=f32,
+                                        precision=_HI if dt == f32 else None)
+    qa_BHNCK = (chunks[0] * p["alpha"]).astype(dt)
+    Vc_BHNKV = scale * ein("...ck,...cv->...kv", qa_BHNCK, do_BHNCV) - ein(
+        "...ck,...cv->...kv", p["W"], ein("...ic,...iv->...cv", p["Aqk"], do_BHNCV))
+    G_BHNKV, dh0_BHKV = _call(
+        functools.partial(_reverse_kernel, C=C),
+        (ops["W"], ops["kw"], ops["lam"], pad_state(Vc_BHNKV, K, V), pad_state(dhT, K, V)),
+        [vma.out_struct((B, H, N, K, V), f32, q), vma.out_struct((B, H, K, V), f32, q)],
+        ("full", "full", "full", "v", "v", "v", "v"), BV, interpret)
+    S_BHNKV, G_BHNKV = S_BHNKV[..., :K0, :V0], G_BHNKV[..., :K0, :V0]
+    dots = _dots(dt)
+    grads = kda_chunked.vmap3(lambda *a: chunk.backward(*a[:9], a[10], a[11], a[9], scale, dots, pre=a[12]))
+    dq, dk, dv, dg, dbeta, _ = grads(*chunks, S_BHNKV, G_BHNKV, p)
+    return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dg.reshape(g.shape),
+            dbeta.reshape(B, H, T), dh0_BHKV[:, :, :K0, :V0])

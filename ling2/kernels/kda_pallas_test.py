@@ -90,14 +90,17 @@ def test_pallas_gpu_rejects_non_power_of_two_chunk():
 
 
 @pytest.mark.parametrize("backend, platform, marker", [("pallas_gpu", "cuda", "triton"),
-                                                       ("pallas_tpu", "tpu", "tpu_custom_call")])
+                                                       ("pallas_tpu", "tpu", "tpu_custom_call"),
+                                                       ("auto", "cuda", "triton"),
+                                                       ("auto", "tpu", "tpu_custom_call")])
 @pytest.mark.parametrize("T, D, dtype", [(1088, 128, jnp.bfloat16), (100, 24, jnp.float32)])
 def test_kernels_lower_for_real_hardware(backend, platform, marker, T, D, dtype):
-    """Without interpret mode, forward and backward lower through Triton / Mosaic to three kernel calls."""
+    """Without interpret mode, forward and backward lower through Triton / Mosaic to three kernel calls;
+    "auto" picks the kernel of the platform lowered for, here on a CPU host."""
 
     def loss(q, k, v, g, beta, seg):
-        o = kda.kda(q, k, v, g, beta, segment_ids=seg, backend=backend, interpret=False)
-        return jnp.sum(o.astype(jnp.float32))
+        o = kda.kda(q, k, v, g, beta, segment_ids=seg, backend=backend, interpret=False).astype(jnp.float32)
+        return jnp.sum(o * o)  # the gradient needs o, so the forward kernel is live
 
     x = jax.ShapeDtypeStruct((2, T, 4, D), dtype)
     args = (x, x, x, jax.ShapeDtypeStruct((2, T, 4, D), jnp.float32), jax.ShapeDtypeStruct((2, T, 4), jnp.float32),

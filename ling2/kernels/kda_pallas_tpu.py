@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ling2.kernels import kda_chunk_math as chunk
+from ling2.kernels import vma
 
 
 def _load(refs):
@@ -98,9 +99,10 @@ def _specs(C, K, V, N, reverse=False):
     return tok, ins, per_chunk, state
 
 
-def _call(kernel, args, in_specs, out_specs, out_shape, grid, K, V, interpret):
+def _call(kernel, name, args, in_specs, out_specs, out_shape, grid, K, V, interpret):
     return pl.pallas_call(
         kernel,
+        name=name,
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -117,10 +119,10 @@ def forward(q, k, v, g, beta, aux, h0, scale, C, *, interpret=False):
     f32 = jnp.float32
     tok, ins, _, state = _specs(C, K, V, T // C)
     o_BHTV, hT_BHKV = _call(
-        functools.partial(_fwd_kernel, scale=scale, dt=q.dtype),
+        functools.partial(_fwd_kernel, scale=scale, dt=q.dtype), "ling2_kda_fwd",
         (q, k, v, g.astype(f32), *_aux_args(beta, aux, C), h0.astype(f32)),
         ins + [state], [tok(V), state],
-        [jax.ShapeDtypeStruct((B, H, T, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), f32)],
+        [vma.out_struct((B, H, T, V), q.dtype, q), vma.out_struct((B, H, K, V), f32, q)],
         (B, H, T // C), K, V, interpret)
     return o_BHTV, hT_BHKV.astype(h0.dtype)
 
@@ -131,16 +133,17 @@ def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C, *, interpret=False):
     f32 = jnp.float32
     args = (q, k, v, g.astype(f32), *_aux_args(beta, aux, C))
     _, ins, per_chunk, state = _specs(C, K, V, N)
-    S_BHNKV = _call(functools.partial(_states_kernel, scale=scale, dt=q.dtype), args + (h0.astype(f32),),
-                    ins + [state], per_chunk, jax.ShapeDtypeStruct((B, H, N, K, V), f32), (B, H, N), K, V, interpret)
+    S_BHNKV = _call(functools.partial(_states_kernel, scale=scale, dt=q.dtype), "ling2_kda_states",
+                    args + (h0.astype(f32),),
+                    ins + [state], per_chunk, vma.out_struct((B, H, N, K, V), f32, q), (B, H, N), K, V, interpret)
     tok, ins, per_chunk, state = _specs(C, K, V, N, reverse=True)
     dq_BHTK, dk_BHTK, dv_BHTV, dg_BHTK, dbeta_BHT1, dh0_BHKV = _call(
-        functools.partial(_bwd_kernel, scale=scale, dt=q.dtype),
+        functools.partial(_bwd_kernel, scale=scale, dt=q.dtype), "ling2_kda_bwd",
         args + (S_BHNKV, do, dhT.astype(f32)),
         ins + [per_chunk, tok(V), state],
         [tok(K), tok(K), tok(V), tok(K), tok(1), state],
-        [jax.ShapeDtypeStruct((B, H, T, K), f32), jax.ShapeDtypeStruct((B, H, T, K), f32),
-         jax.ShapeDtypeStruct((B, H, T, V), f32), jax.ShapeDtypeStruct((B, H, T, K), f32),
-         jax.ShapeDtypeStruct((B, H, T, 1), f32), jax.ShapeDtypeStruct((B, H, K, V), f32)],
+        [vma.out_struct((B, H, T, K), f32, q), vma.out_struct((B, H, T, K), f32, q),
+         vma.out_struct((B, H, T, V), f32, q), vma.out_struct((B, H, T, K), f32, q),
+         vma.out_struct((B, H, T, 1), f32, q), vma.out_struct((B, H, K, V), f32, q)],
         (B, H, N), K, V, interpret)
     return dq_BHTK, dk_BHTK, dv_BHTV, dg_BHTK, dbeta_BHT1[..., 0], dh0_BHKV

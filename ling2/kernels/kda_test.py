@@ -171,8 +171,12 @@ def test_random_shapes_sweep():
         _assert_close(_ours(x, "chunked", C, seg=seg), _ours(x, "naive", C, seg=seg), 2e-5)
 
 
-def test_auto_is_chunked_on_cpu():
-    assert kda.resolve_backend("auto") == "chunked"
+def test_auto_is_decided_per_lowering_platform():
+    assert [kda.resolve_backend("auto", p) for p in ("cpu", "tpu", "cuda", "rocm")] == [
+        "chunked", "pallas_tpu", "pallas_gpu", "chunked"]
+    assert kda.resolve_backend("naive", "tpu") == "naive"
+    with pytest.raises(ValueError, match="expected one of"):
+        kda.resolve_backend("flash", "cpu")
 
 
 def test_bad_input_errors():

@@ -2,19 +2,22 @@
 
 Shapes: M rows sorted by expert, group_sizes [E] (rows past their sum give zeros), D model
 dim, F expert width.
-  "ragged_dot": `jax.lax.ragged_dot`, which GPU/TPU lower to grouped kernels.
+  "ragged_dot": `jax.lax.ragged_dot`, which XLA:TPU lowers to grouped kernels.
   "tiled": XLA:CPU lowers ragged_dot to a dense [E, M, D] masked product (E times the work),
   so on CPU a loop walks expert-pure tiles of the sorted rows, one [tile, D] x [D, 2F] and one
   [tile, F] x [F, D] matmul each; only tiles in use run, and a hand-written backward keeps
   the loop out of reverse-mode autodiff.
+  "blocked": XLA:GPU lowers ragged_dot's backward dense over the experts too (E times the work and
+  memory: 151 GiB for ling2-small's step at 32K tokens, tools/bench/gpu/NOTES.md), so each expert's
+  rows are padded to whole blocks and run as batched matmuls against per-block gathered weights.
   "megablox": the Pallas TPU grouped-matmul kernels JAX ships (megablox `gmm`/`tgmm`, MaxText's
   TPU default). XLA:TPU lowers ragged_dot to grouped Mosaic kernels of its own, but counts them
   dense over the local experts in its cost analysis (11x the grouped FLOPs at 32 experts), and
   model_name=ling2's train step compiles several times slower with them (tools/bench/moe and
   tools/bench/compile NOTES). Interpreted on CPU.
   "auto": tiled on CPU, megablox on TPU (ragged_dot where the model dim and expert width share
-  no multiple of 128, as in test models, or where XLA partitions the call), ragged_dot elsewhere
-  (GPU), decided for the platform the computation is lowered for (`jax.lax.platform_dependent`),
+  no multiple of 128, as in test models, or where XLA partitions the call), blocked on CUDA GPUs,
+  ragged_dot elsewhere, decided for the platform the computation is lowered for (`jax.lax.platform_dependent`),
   not the host's: a CPU host compiling for TPU builds what a TPU host would.
 """
 
@@ -27,7 +30,7 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
-GMMS = ("auto", "ragged_dot", "tiled", "megablox")
+GMMS = ("auto", "ragged_dot", "tiled", "blocked", "megablox")
 
 
 def ffn_ragged_dot(x_MD, group_sizes_E, wg, wu, wd):
@@ -147,6 +150,48 @@ def ffn_tiled(x_MD, group_sizes_E, wg, wu, wd, tile: int = 128):
     return y.astype(x_MD.dtype)
 
 
+def _block_size(M: int, E: int, block: int) -> int:
+    """Rows per block: `block`, or less for small inputs (a power of two >= 8 near the mean group size)."""
+    return max(8, min(block, 1 << max(0, M // E).bit_length()))
+
+
+def ffn_blocked(x_MD, group_sizes_E, wg, wu, wd, block: int = 128, step_bytes: int = 256 << 20):
+    """Same contract as `ffn_ragged_dot`, as batched matmuls: each expert's rows are padded to a multiple
+    of `block`, so every block of rows belongs to one expert, and each block is one [block, D] x [D, 2F]
+    and one [block, F] x [F, D] matmul against its expert's weights, gathered per block (cuBLAS batched
+    GEMMs on GPU). Padding costs < one block per expert; blocks past those in use are zero rows.
+    Blocks run in steps whose gathered weights take about `step_bytes` (a loop when there are more,
+    each step rematerialised in the backward, so no step's gathered weights are kept). Autodiff gives
+    the backward: the weight gradients are the per-block products summed into each expert."""
+    (M, D), E, F = x_MD.shape, group_sizes_E.shape[0], wd.shape[1]
+    b = _block_size(M, E, block)
+    gs_E = group_sizes_E.astype(jnp.int32)
+    blocks_E = (gs_E + b - 1) // b
+    first_block_E = jnp.cumsum(blocks_E) - blocks_E
+    end_E = jnp.cumsum(gs_E)
+    N = -(-M // b) + E
+    G = max(1, min(N, step_bytes // (3 * D * F * x_MD.dtype.itemsize)))  # blocks per step
+    N = -(-N // G) * G
+    m_M = jnp.arange(M)
+    e_M = jnp.minimum(jnp.searchsorted(end_E, m_M, side="right"), E - 1)
+    dest_M = jnp.where(m_M < end_E[-1], first_block_E[e_M] * b + m_M - (end_E - gs_E)[e_M], N * b)
+    x_NbD = jnp.zeros((N * b, D), x_MD.dtype).at[dest_M].set(x_MD, mode="drop").reshape(N, b, D)
+    e_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(blocks_E), jnp.arange(N), side="right"), E - 1)
+    wgu = jnp.concatenate([wg, wu], axis=-1).astype(x_MD.dtype)
+    wd = wd.astype(x_MD.dtype)
+
+    @jax.checkpoint
+    def step(x_GbD, e_G):
+        g_GbF, u_GbF = jnp.split(jnp.einsum("nbd,ndf->nbf", x_GbD, wgu[e_G]), [F], axis=-1)
+        return jnp.einsum("nbf,nfd->nbd", jax.nn.silu(g_GbF) * u_GbF, wd[e_G])
+
+    if G == N:
+        y_NbD = step(x_NbD, e_N)
+    else:
+        y_NbD = jax.lax.map(lambda a: step(*a), (x_NbD.reshape(N // G, G, b, D), e_N.reshape(N // G, G)))
+    return y_NbD.reshape(N * b, D).at[dest_M].get(mode="fill", fill_value=0)
+
+
 def megablox_tile(D: int, F: int, interpret: bool = False) -> int | None:
     """Tile of megablox's contracted and output dims: the same for both (its backward swaps them),
     dividing D and F, a multiple of 128 for Mosaic (any common divisor when interpreted). None if
@@ -190,11 +235,14 @@ def grouped_ffn(x_MD, group_sizes_E, w, gmm: str = "auto", *, partitioned: bool 
     if gmm == "auto":
         mosaic = not partitioned and megablox_tile(x_MD.shape[1], w[2].shape[1])
         tpu = ffn_megablox if mosaic else ffn_ragged_dot
-        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=ffn_tiled, tpu=tpu, default=ffn_ragged_dot)
+        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=ffn_tiled, tpu=tpu, cuda=ffn_blocked,
+                                          default=ffn_ragged_dot)
     if gmm == "ragged_dot":
         return ffn_ragged_dot(x_MD, group_sizes_E, *w)
     if gmm == "tiled":
         return ffn_tiled(x_MD, group_sizes_E, *w)
+    if gmm == "blocked":
+        return ffn_blocked(x_MD, group_sizes_E, *w)
     if gmm == "megablox":
         return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, tpu=ffn_megablox,
                                           default=partial(ffn_megablox, interpret=True))

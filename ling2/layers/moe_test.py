@@ -29,7 +29,8 @@ def call(m, x, valid=None):
 # ---- float64 reference ---------------------------------------------------------------------------
 
 def ref_route(x_TD, kernel_DE, bias_E, cfg):
-    """Per token: scores, group-limited top-k on biased scores, weights from unbiased scores."""
+    """Per token: scores, group-limited top-k on biased scores, weights from unbiased scores, divided by
+    their sum where the config renormalises (sigmoid: HF norm_topk_prob, softmax: norm_topk_prob)."""
     logits = x_TD.astype(np.float64) @ kernel_DE.astype(np.float64)
     E, K, G = cfg.num_experts, cfg.num_experts_per_tok, cfg.n_routing_groups
     experts, weights = [], []
@@ -46,7 +47,8 @@ def ref_route(x_TD, kernel_DE, bias_E, cfg):
         allowed = [e for e in range(E) if e // per in kept]
         top = sorted(allowed, key=lambda e: (-c[e], e))[:K]
         w = s[top]
-        if cfg.routed_score_func == "sigmoid" or cfg.norm_topk_prob:
+        sigmoid = cfg.routed_score_func == "sigmoid"
+        if (sigmoid and cfg.sigmoid_renormalize) or (not sigmoid and cfg.norm_topk_prob):
             w = w / w.sum()
         experts.append(top)
         weights.append(w * cfg.routed_scaling_factor)
@@ -87,8 +89,9 @@ def randomize_bias(m, seed=3, scale=0.05):
 # ---- routing --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("score_func,norm", [("sigmoid", False), ("softmax", False), ("softmax", True)])
-def test_routing_matches_numpy_loop(score_func, norm):
-    cfg = tiny(routed_score_func=score_func, norm_topk_prob=norm)
+@pytest.mark.parametrize("sigmoid_renorm", [True, False])
+def test_routing_matches_numpy_loop(score_func, norm, sigmoid_renorm):
+    cfg = tiny(routed_score_func=score_func, norm_topk_prob=norm, sigmoid_renormalize=sigmoid_renorm)
     x = np.asarray(jax.random.normal(jax.random.key(0), (24, cfg.emb_dim)))
     kernel = np.asarray(jax.random.normal(jax.random.key(1), (cfg.emb_dim, cfg.num_experts)) * 0.1)
     bias = np.asarray(jax.random.normal(jax.random.key(2), (cfg.num_experts,)) * 0.05)
@@ -140,11 +143,31 @@ def test_softmax_vs_sigmoid_weights():
     np.testing.assert_allclose(norm.weights_TK[0], 2.0 * p[:2] / p[:2].sum(), rtol=1e-6)
 
 
+def test_unnormalised_sigmoid_weights_are_the_scaled_scores():
+    """sigmoid_renormalize false (HF norm_topk_prob / moe_renormalize false): the chosen sigmoid scores times
+    routed_scaling_factor, not divided by their sum; norm_topk_prob has no say over sigmoid weights."""
+    logits = np.array([[1.0, 0.5, -0.5, -1.0], [-2.0, 0.25, 3.0, 0.0]])
+    kw = dict(num_experts=4, num_experts_per_tok=2, n_routing_groups=1, topk_routing_group=1,
+              routed_scaling_factor=2.5, routed_score_func="sigmoid")
+    s = 1 / (1 + np.exp(-logits))
+    want = 2.5 * np.array([[s[0, 0], s[0, 1]], [s[1, 2], s[1, 1]]])
+    for norm in (False, True):
+        r = moe_router.route(jnp.asarray(logits), jnp.eye(4), None,
+                             tiny(sigmoid_renormalize=False, norm_topk_prob=norm, **kw))
+        np.testing.assert_array_equal(r.experts_TK, [[0, 1], [2, 1]])
+        np.testing.assert_allclose(r.weights_TK, want, rtol=1e-6)
+    r = moe_router.route(jnp.asarray(logits), jnp.eye(4), None, tiny(sigmoid_renormalize=True, **kw))
+    np.testing.assert_allclose(r.weights_TK, want / want.sum(-1, keepdims=True) * 2.5, rtol=1e-6)
+
+
 # ---- full layer -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", ["tiled", "ragged_dot", "megablox", "dense"])
-def test_output_matches_numpy_loop(path):
-    cfg = tiny(sparse_matmul=path != "dense", capacity_factor=-1.0, **({"base_moe_mlp_dim": 128} if path == "megablox" else {}))
+@pytest.mark.parametrize("path,renorm", [("tiled", True), ("ragged_dot", True), ("blocked", True), ("megablox", True),
+                                         ("dense", True),
+                                         ("tiled", False), ("dense", False)])
+def test_output_matches_numpy_loop(path, renorm):
+    cfg = tiny(sparse_matmul=path != "dense", capacity_factor=-1.0, sigmoid_renormalize=renorm,
+               **({"base_moe_mlp_dim": 128} if path == "megablox" else {}))
     m = MoE(cfg, rngs=nnx.Rngs(0), gmm=None if path == "dense" else path)
     randomize_bias(m)
     x = jax.random.normal(jax.random.key(1), (2, 6, cfg.emb_dim))
@@ -155,8 +178,9 @@ def test_output_matches_numpy_loop(path):
     assert float(aux.stats["dropped"]) == 0
 
 
-def test_decode_sized_input_gathers_experts_and_matches_numpy_loop(monkeypatch):
-    cfg = tiny()
+@pytest.mark.parametrize("renorm", [True, False])
+def test_decode_sized_input_gathers_experts_and_matches_numpy_loop(monkeypatch, renorm):
+    cfg = tiny(sigmoid_renormalize=renorm)
     m = MoE(cfg, rngs=nnx.Rngs(0), gmm="tiled")
     randomize_bias(m)
     x = jax.random.normal(jax.random.key(2), (2, 2, cfg.emb_dim))  # T*K = 16 = E assignments: gathered
@@ -388,6 +412,9 @@ def test_grouped_ffn_impls_and_grads_match_plain_reference():
     g_plain = jax.grad(lambda *a: jnp.sum(plain(*a) * ct), argnums=(0, 1, 2, 3))(x, *w)
     impls = {"tiled": lambda x, *w: moe_gmm.grouped_ffn(x, gs, w, "tiled"),
              "ragged_dot": lambda x, *w: moe_gmm.grouped_ffn(x, gs, w, "ragged_dot"),
+             "blocked": lambda x, *w: moe_gmm.grouped_ffn(x, gs, w, "blocked"),
+             "blocked_8_row_blocks": lambda x, *w: moe_gmm.ffn_blocked(x, gs, *w, block=8),
+             "blocked_in_steps": lambda x, *w: moe_gmm.ffn_blocked(x, gs, *w, block=8, step_bytes=2 * 3 * D * F * 4),
              "megablox": lambda x, *w: moe_gmm.ffn_megablox(x, gs, *w, interpret=True)}  # any dims interpreted
     for gmm, impl in impls.items():
         f = jax.jit(impl)

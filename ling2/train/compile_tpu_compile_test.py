@@ -14,6 +14,7 @@ from ling2 import topology
 from ling2.config import load_config
 from ling2.train import compile as compile_lib
 from ling2.train import loop
+from ling2.kernels.testing.mosaic import mosaic_kernels
 
 MICRO = dict(model_name="ling2-micro", max_target_length=64, gradient_accumulation_steps=2, remat_policy="full")
 
@@ -21,6 +22,20 @@ MICRO = dict(model_name="ling2-micro", max_target_length=64, gradient_accumulati
 def run_plan(name, num_slices=1, **kw):
     cfg = load_config(**MICRO, **kw)
     return compile_lib.plan(cfg, topology.parse(name, num_slices), log=lambda s: None), cfg
+
+
+def spy_compiled(monkeypatch) -> dict:
+    """Fills {"hlo": text, "state": abstract state} from each train step the plan compiles."""
+    seen = {}
+    real = loop.compile_train_step
+
+    def spy(cfg, mesh, *a):
+        compiled, state = real(cfg, mesh, *a)
+        seen["hlo"], seen["state"] = compiled.as_text(), state
+        return compiled, state
+
+    monkeypatch.setattr(loop, "compile_train_step", spy)
+    return seen
 
 
 def check_plan(p):
@@ -38,15 +53,7 @@ def check_plan(p):
 
 
 def test_fsdp_expert_tensor_on_one_slice(monkeypatch):
-    seen = {}
-    real = loop.compile_train_step
-
-    def spy(cfg, mesh, *a):
-        compiled, state = real(cfg, mesh, *a)
-        seen["hlo"], seen["state"] = compiled.as_text(), state
-        return compiled, state
-
-    monkeypatch.setattr(loop, "compile_train_step", spy)
+    seen = spy_compiled(monkeypatch)
     p, cfg = run_plan("v5p-16", ici_fsdp_parallelism=2, ici_expert_parallelism=2, ici_tensor_parallelism=2)
     assert p["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2} and p["chips"] == 8
     check_plan(p)
@@ -126,16 +133,21 @@ print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 10
 def test_moe_without_expert_axis(mesh, megablox, monkeypatch):
     """fsdp only: the grouped matmul runs per device in shard_map as megablox's Mosaic kernels; with
     tensor parallelism XLA partitions the experts, so `auto` takes ragged_dot (no Pallas kernel)."""
-    seen = {}
-    real = loop.compile_train_step
-
-    def spy(cfg, mesh, *a):
-        compiled, state = real(cfg, mesh, *a)
-        seen["hlo"] = compiled.as_text()
-        return compiled, state
-
-    monkeypatch.setattr(loop, "compile_train_step", spy)
+    seen = spy_compiled(monkeypatch)
     p, _ = run_plan("v5p-8", base_emb_dim=128, base_moe_mlp_dim=128, **mesh)  # megablox tiles: multiples of 128
     assert p["fits"]
     assert ("jit(gmm)/pallas_call" in seen["hlo"]) == megablox
     assert (" ragged-dot(" in seen["hlo"] or "ragged-dot-none" in seen["hlo"]) != megablox
+
+
+def test_ling3_step_with_auto_kda_calls_the_mosaic_kernels(monkeypatch):
+    """`kda_backend: auto` is decided for the platform the step is lowered for: a Ling 3 step planned on a
+    CPU host for a TPU runs KDA's Mosaic kernels (forward, then the backward's state and reverse sweeps),
+    not the chunked JAX form a CPU run takes."""
+    seen = spy_compiled(monkeypatch)
+    cfg = load_config(model_name="ling3-tiny", max_target_length=128, kda_backend="auto", remat_policy="none")
+    p = compile_lib.plan(cfg, topology.parse("v5p-8"), log=lambda s: None)
+    assert p["fits"]
+    names = mosaic_kernels(seen["hlo"], "ling2_kda_", only_ours=False)
+    assert set(names) == {"ling2_kda_fwd", "ling2_kda_states", "ling2_kda_bwd"}
+    assert names.count("ling2_kda_states") == names.count("ling2_kda_bwd") >= 1

@@ -49,34 +49,38 @@ def recurrent(q, k, v, g_BTH, h0=None, scale=None):
     return o.double().numpy(), hT.double().numpy()
 
 
-def chunk_simple_gla_cuda_seconds(q, k, v, g_BTH, repeats=3):
-    """Median seconds of fla's Triton chunk_simple_gla forward+backward on CUDA (bf16), for benchmarks.
+def chunk_op_runner(op, mode, x, **options):
+    """A no-argument callable that runs fla's Triton `chunk_simple_gla` (op "gla") or `chunk_kda` ("kda") once
+    on CUDA and synchronises, for benchmarks. x: numpy arrays q, k, v [B,T,H,D], g ([B,T,H] for GLA, [B,T,H,K]
+    for KDA) and KDA's beta [B,T,H]; they go to the GPU as fla's layers pass them: gates fp32, the rest bf16.
+    mode "fwd" runs under no_grad; "fwd+bwd" also back-propagates sum(o) to every input fla differentiates
+    (GLA: q, k, v; KDA: q, k, v, g, beta). options: extra keyword arguments of the op.
 
     Raises ImportError when fla's Triton ops or a CUDA torch are unavailable.
     """
-    import time
-
-    from fla.ops.simple_gla import chunk_simple_gla  # imports triton
-
+    if op == "gla":
+        from fla.ops.simple_gla import chunk_simple_gla as fla_op  # imports triton
+        grads = ("q", "k", "v")
+    else:
+        from fla.ops.kda import chunk_kda as fla_op
+        grads = ("q", "k", "v", "g", "beta")
     if not torch.cuda.is_available():
         raise ImportError("torch has no CUDA device")
-    t = lambda x, grad: torch.tensor(np.array(x, np.float32), device="cuda",
-                                     dtype=torch.bfloat16 if grad else torch.float32, requires_grad=grad)
-    tq, tk, tv, tg = t(q, True), t(k, True), t(v, True), t(g_BTH, False)
+    t = {n: torch.tensor(np.asarray(a), device="cuda", dtype=torch.float32 if n == "g" else torch.bfloat16,
+                         requires_grad=mode != "fwd" and n in grads) for n, a in x.items()}
 
-    def step():
-        o, _ = chunk_simple_gla(tq, tk, tv, g=tg)
-        o.float().sum().backward()
-
-    step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
+    def run():
+        if mode == "fwd":
+            with torch.no_grad():
+                fla_op(**t, **options)
+        else:
+            o, _ = fla_op(**t, **options)
+            o.float().sum().backward()
+            for n in grads:
+                t[n].grad = None
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+
+    return run
 
 
 KDA_GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")

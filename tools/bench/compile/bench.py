@@ -1,11 +1,13 @@
-"""Compile-only plans of the full Ling2 model (`model_name=ling2`, 17.4B parameters) at seq 4096 and
->= 1M tokens per step on v5p-64, v5p-256 and v6e-256, through `//ling2/train:compile` (the
-trainer's own step, the real XLA:TPU compiler, on this CPU host). Each plan runs in its own
-process, one after another; the table gives per chip what XLA plans, the host's peak RSS of that
-process (and once the step is lowered, before XLA compiles it), and the full-logits loss
-(loss_vocab_blocks=0) beside the vocab-blocked one as a ratio.
+"""Compile-only plans of the full models (`model_name=ling2`, 17.4B parameters, and `ling3`) at seq 4096
+and >= 1M tokens per step on v5p-64, v5p-256 and v6e-256 (the real XLA:TPU compiler) and on 64 H100s
+(XLA:GPU with Triton), through `//ling2/train:compile` (the trainer's own step, on this CPU host).
+Each plan runs in its own process, one after another; the table gives per chip what XLA plans, the
+host's peak RSS of that process (and once the step is lowered, before XLA compiles it), and the
+full-logits loss (loss_vocab_blocks=0) beside the vocab-blocked one as a ratio. A venv compiles for
+its own platform: TPU plans under --config=tpu, H100 plans under --config=cuda.
 
   bazel run --config=tpu //tools/bench/compile:bench -- [--only NAME ...] [--out FILE]
+  bazel run --config=cuda //tools/bench/compile:bench -- --only "ling2 h100-64" "ling3 h100-64" --out ...
 """
 
 import argparse
@@ -20,9 +22,16 @@ import time
 from ling2.config.paths import user_path
 
 GiB = 1024**3
-SEQ = ["model_name=ling2", "max_target_length=4096", "scan_layers=true"]
+SEQ = ["max_target_length=4096", "scan_layers=true"]
+_V5P_64 = ["ici_fsdp_parallelism=4", "ici_expert_parallelism=8", "per_device_batch_size=1",
+           "gradient_accumulation_steps=8", "remat_policy=full"]
+_V6E_256 = ["ici_fsdp_parallelism=32", "ici_expert_parallelism=8", "per_device_batch_size=1",
+            "gradient_accumulation_steps=4", "remat_policy=full"]
+_H100_64 = ["ici_fsdp_parallelism=8", "ici_expert_parallelism=8", "per_device_batch_size=1",
+            "gradient_accumulation_steps=4", "remat_policy=full"]
 
-# name -> (topology, num_slices, overrides). 256 sequences x 4096 = 1,048,576 tokens per step.
+# name -> (topology, num_slices, overrides); a name without a model is ling2's. 256 sequences x 4096 =
+# 1,048,576 tokens per step.
 PLANS = {
     "v5p-64": ("v5p-64", 1, ["ici_fsdp_parallelism=4", "ici_expert_parallelism=8", "per_device_batch_size=1",
                              "gradient_accumulation_steps=8", "remat_policy=full"]),
@@ -31,8 +40,11 @@ PLANS = {
                                          "remat_policy=full", "loss_vocab_blocks=0"]),
     "v5p-256": ("v5p-256", 1, ["ici_fsdp_parallelism=16", "ici_expert_parallelism=8", "per_device_batch_size=1",
                                "gradient_accumulation_steps=2", "remat_policy=full"]),
-    "v6e-256": ("v6e-256", 1, ["ici_fsdp_parallelism=32", "ici_expert_parallelism=8", "per_device_batch_size=1",
-                               "gradient_accumulation_steps=4", "remat_policy=full"]),
+    "v6e-256": ("v6e-256", 1, _V6E_256),
+    "ling3 v5p-64": ("v5p-64", 1, ["model_name=ling3", *_V5P_64]),
+    "ling3 v6e-256": ("v6e-256", 1, ["model_name=ling3", *_V6E_256]),
+    "ling2 h100-64": ("h100-64", 1, _H100_64),
+    "ling3 h100-64": ("h100-64", 1, ["model_name=ling3", *_H100_64]),
 }
 BASELINE = {"v5p-64 full logits": "v5p-64"}
 
@@ -41,7 +53,8 @@ def run_plan(name, topology, num_slices, overrides, outdir):
     """Runs the compile binary in a child process; returns its plan (JSON), exit code and peak RSS."""
     out = os.path.join(outdir, name.replace(" ", "_") + ".json")
     cmd = [sys.executable, "-m", "ling2.train.compile", f"--topology={topology}", f"--num_slices={num_slices}",
-           f"--out={out}", "--", *SEQ, *overrides]
+           f"--out={out}", "--", *SEQ, *(overrides if any(o.startswith("model_name=") for o in overrides)
+                                         else ["model_name=ling2", *overrides])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), JAX_PLATFORMS="cpu")
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

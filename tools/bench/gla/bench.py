@@ -7,11 +7,10 @@ planned peak for the compiled program (arguments + outputs + temporaries), read 
 `memory_analysis()`; a case whose plan exceeds --mem_limit_gb is compiled but not run.
 Ratios are other / chunked time from the same run.
 
-GPU (--gpu, on a GPU machine): B=2, T=16K, H=16, D=128, bf16, forward+backward of the
-Pallas GPU kernel vs the pure-JAX chunked one, cuDNN attention (jax.nn.dot_product_attention,
-causal) and flash-linear-attention's Triton chunk_simple_gla (torch) when importable.
+On a GPU, tools/bench/gpu times the Pallas GPU kernel against flash-linear-attention's Triton
+op and cuDNN attention.
 
-  bazel run //tools/bench/gla:bench -- [--ts 1024,4096,16384] [--repeats 3] [--gpu] [--out FILE]
+  bazel run //tools/bench/gla:bench -- [--ts 1024,4096,16384] [--repeats 3] [--out FILE]
 """
 
 import argparse
@@ -126,40 +125,6 @@ def forward_bound(rows, H=4, K=128, V=128, C=64, speedup=5.0, n=2048):
     return out
 
 
-def run_gpu(args, attention_impl="cudnn"):
-    B, T, H, D = 2, args.gpu_t, 16, 128
-    ins = _inputs(B, T, H, D, jnp.bfloat16)
-    rows = []
-
-    def add(name, seconds):
-        rows.append({"T": T, "mode": "fwd+bwd", "impl": name, "seconds": seconds})
-        _print_row(rows[-1])
-
-    for backend in ("pallas_gpu", "chunked"):
-        fn = _gla_fn(backend, "fwd+bwd").lower(*ins).compile()
-        add(backend, _time(fn, ins, args.repeats))
-    q, k, v, _ = ins
-
-    def att(q, k, v):
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
-        return jnp.sum(o.astype(jnp.float32))
-
-    att_grad = jax.jit(jax.grad(att, argnums=(0, 1, 2))).lower(q, k, v).compile()
-    add("cudnn_attention", _time(att_grad, (q, k, v), args.repeats))
-    try:
-        from ling2.kernels.testing import fla_reference  # torch + fla-core; Triton needs a CUDA torch
-        g_BTH = np.broadcast_to(np.asarray(ins[3]), (B, T, H))
-        add("fla_chunk_simple_gla", fla_reference.chunk_simple_gla_cuda_seconds(q, k, v, g_BTH, args.repeats))
-    except ImportError as e:
-        rows.append({"impl": "fla_chunk_simple_gla", "skipped": f"not available: {e}"})
-        print(f"fla_chunk_simple_gla skipped: {e}")
-    base = rows[0]["seconds"]
-    for r in rows:
-        if r.get("seconds"):
-            r["ratio_vs_pallas_gpu"] = r["seconds"] / base
-    return rows
-
-
 def _print_row(r):
     t = f"{r['seconds'] * 1e3:10.1f} ms" if r.get("seconds") else f"{'-':>13}"
     mem = f"{r['planned_mb']:10.1f} MB" if r.get("planned_mb") is not None else f"{'':>13}"
@@ -173,29 +138,21 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--mem_limit_gb", type=float, default=4.0, help="skip CPU cases planned above this")
     p.add_argument("--full", action="store_true", help="also run the slow CPU cases (quadratic/naive fwd+bwd at 16K)")
-    p.add_argument("--gpu", action="store_true", help="run the GPU comparison instead (needs a GPU)")
-    p.add_argument("--gpu_t", type=int, default=16384, help="sequence length of the GPU comparison")
     p.add_argument("--out", default="", help="JSON path (default: tools/bench/gla/results_<platform>.json under "
                    "the workspace with bazel run, else in the current directory)")
     args = p.parse_args()
     args.ts = [int(t) for t in args.ts.split(",")]
     args.skip = {} if args.full else {16384: ("quadratic_fwd+bwd", "naive_fwd+bwd")}
     print(f"{'T':>6} {'mode':>8} {'impl':>22} {'time':>13} {'planned':>13}")
-    if args.gpu:
-        if jax.default_backend() != "gpu":
-            raise SystemExit(f"--gpu: the default JAX backend is {jax.default_backend()!r}, not 'gpu'")
-        rows = run_gpu(args)
-    else:
-        rows = run_cpu(args)
-    ratios = [(r["T"], r["mode"], r["impl"], r[key]) for r in rows for key in ("ratio_vs_chunked", "ratio_vs_pallas_gpu")
-              if key in r and r["impl"] not in ("chunked", "pallas_gpu")]
-    print("\nratio = impl time / " + ("pallas_gpu" if args.gpu else "chunked") + " time (same run):")
+    rows = run_cpu(args)
+    ratios = [(r["T"], r["mode"], r["impl"], r["ratio_vs_chunked"]) for r in rows
+              if "ratio_vs_chunked" in r and r["impl"] != "chunked"]
+    print("\nratio = impl time / chunked time (same run):")
     for T, mode, impl, ratio in ratios:
         print(f"{T:>6} {mode:>8} {impl:>22} {ratio:8.2f}x")
     result = {**host_facts(), "rows": rows}
-    if not args.gpu:
-        print("\nforward bound (chunked >= 5x naive needs this fraction of the dense matmul rate):")
-        result["forward_bound"] = forward_bound(rows)
+    print("\nforward bound (chunked >= 5x naive needs this fraction of the dense matmul rate):")
+    result["forward_bound"] = forward_bound(rows)
     out = results_path(args.out, "gla", f"results_{jax.default_backend()}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)

@@ -10,7 +10,7 @@ compiled but not run. Ratios are other / first backend's time from the same run.
 In the same run (first, so the table below is not its warm-up): the train step (forward + backward of
 the training objective) of ling3-small beside ling2-small, tokens/s and their ratio (--step_models).
 
-On an accelerator, e.g. `--backends pallas_gpu,chunked --dtype bfloat16 --batch 2 --heads 16 --ts 16384`.
+On a GPU, tools/bench/gpu times the Pallas GPU kernel against flash-linear-attention's Triton `chunk_kda`.
 
   bazel run //tools/bench/kda:bench -- [--ts 1024,4096,16384] [--backends chunked,naive] [--step_models ling2-small,ling3-small]
       [--out FILE]
