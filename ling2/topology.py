@@ -14,6 +14,7 @@ libtpu (`jax[tpu]`) or of JAX's CUDA plugin (`jax[cuda12]`), with no accelerator
 
 import dataclasses
 import functools
+import glob
 import os
 import re
 
@@ -105,6 +106,14 @@ class Topology:
             return _cuda_devices(self)
         # libtpu guards the chips with a lock file; describing a topology touches none.
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        if not _tpu_host():
+            # On a host with no TPU, libtpu's probes of its own host (the metadata server, then the accelerator
+            # type and worker hostnames) fail, print warnings and an INVALID_ARGUMENT line, and matter to nothing
+            # compile-only: describe this host as one worker of the target generation instead.
+            os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+            os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{self.chip.generation}-8")
+            os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+            os.environ.setdefault("TPU_WORKER_ID", "0")
         kwargs = {"chip_config_name": "megacore"} if self.chip.cores_per_chip == 2 else {}
         if self.chips_per_slice == 1:
             kwargs["chips_per_host_bounds"] = (1, 1, 1)
@@ -117,6 +126,11 @@ class Topology:
                                    f"(./bazelw --config=tpu ...)") from e
             raise
         return list(desc.devices)
+
+
+def _tpu_host() -> bool:
+    """Whether this host has TPU chips (TPU VMs expose them as /dev/accel* or /dev/vfio/N)."""
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def _cuda_devices(topo: Topology) -> list:

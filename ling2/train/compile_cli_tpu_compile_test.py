@@ -45,6 +45,9 @@ def test_plan_that_fits(tmp_path):
     for row in ("parameters", "optimizer state", "batch", "temporaries", "outputs", "compile time",
                 "FLOPs per chip per step, XLA", "FLOPs per chip per step, Ling2", "step time at peak", "MFU"):
         assert row in r.stdout, row
+    # libtpu's probes of a TPU host this is not (metadata server, accelerator type, worker hostnames) stay quiet.
+    for noise in ("host bounds", "worker hostname", "could not determine TPU", "E0000"):
+        assert noise not in r.stdout + r.stderr, noise
 
 
 def test_plan_that_does_not_fit(tmp_path):
