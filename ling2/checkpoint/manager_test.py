@@ -16,28 +16,9 @@ import pytest
 from ling2.checkpoint import manager
 from ling2.checkpoint.manager import (CheckpointError, Checkpointer, ResumeConfigError, check_resume_config,
                                       saved_config, snapshot)
+from ling2.checkpoint.testing.iterators import Counter
 from ling2.config import load_config
 from ling2.config.schema import Config, resume_class
-
-
-class Counter:
-    """A data iterator whose state is the number of batches taken (bytes, like the trainer's)."""
-
-    def __init__(self):
-        self.n = 0
-
-    def __next__(self):
-        self.n += 1
-        return self.n
-
-    def get_state(self):
-        return str(self.n).encode()
-
-    def set_state(self, state):
-        self.n = int(state)
-
-    def start_prefetch(self):
-        pass
 
 
 def cfg(**over):

@@ -27,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ling2.kernels import gla_chunked, gla_pallas_gpu, gla_pallas_tpu, gla_reference, vma
+from ling2.kernels import dispatch, gla_chunked, gla_pallas_gpu, gla_pallas_tpu, gla_reference, vma
 
 BACKENDS = ("auto", "chunked", "pallas_tpu", "pallas_gpu", "naive", "quadratic")
 
@@ -80,29 +80,9 @@ def _kernels(backend, interpret):
             functools.partial(mod.backward, interpret=interpret))
 
 
-def _fixed(which, backend, interpret, scale, C):
-    """Kernel `which` (0 forward, 1 backward) of one backend on array arguments; outputs cast to
-    what every backend agrees on (o in q's dtype, everything else fp32)."""
-    kernel = _kernels(backend, interpret)[which]
-
-    def run(*args):
-        out = kernel(*args, scale, C)
-        if which == 0:
-            return out[0].astype(args[0].dtype), out[1].astype(jnp.float32)
-        return tuple(x.astype(jnp.float32) for x in out)
-
-    return run
-
-
 def _run_kernel(which, backend, interpret, scale, C, *args):
-    """Runs kernel `which` with "auto" and interpret=None decided per lowering platform."""
-    branch = functools.partial(_fixed, which, scale=scale, C=C)
-    if backend == "auto":
-        per = {p: branch(resolve_backend("auto", p, C), bool(interpret)) for p in ("tpu", "cuda")}
-        return jax.lax.platform_dependent(*args, default=branch(resolve_backend("auto", "cpu", C), False), **per)
-    if backend in ("pallas_tpu", "pallas_gpu") and interpret is None:
-        return jax.lax.platform_dependent(*args, cpu=branch(backend, True), default=branch(backend, False))
-    return branch(backend, interpret)(*args)
+    return dispatch.run_kernel(_kernels, lambda p: resolve_backend("auto", p, C), lambda dt: jnp.float32, which,
+                               backend, interpret, scale, C, *args)
 
 
 def _zero_state(q_BTHK, v_BTHV):

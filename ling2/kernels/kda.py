@@ -28,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ling2.kernels import kda_chunked, kda_pallas_gpu, kda_pallas_tpu, kda_reference
+from ling2.kernels import dispatch, kda_chunked, kda_pallas_gpu, kda_pallas_tpu, kda_reference
 from ling2.kernels.gla import doc_index, prepare
 from ling2.kernels.vma import vary_like
 
@@ -71,31 +71,9 @@ def _kernels(backend, interpret):
             functools.partial(mod.backward, interpret=interpret))
 
 
-def _fixed(which, backend, interpret, scale, C):
-    """Kernel `which` (0 forward, 1 backward) of one backend on array arguments; outputs cast to what every
-    backend agrees on (o in q's dtype, everything else in the accumulation dtype)."""
-    kernel = _kernels(backend, interpret)[which]
-
-    def run(*args):
-        out = kernel(*args, scale, C)
-        acc = kda_reference.acc_dtype(args[0].dtype)
-        if which == 0:
-            return out[0].astype(args[0].dtype), out[1].astype(acc)
-        return tuple(x.astype(acc) for x in out)
-
-    return run
-
-
 def _run_kernel(which, backend, interpret, scale, C, *args):
-    """Runs kernel `which` with "auto" and interpret=None decided for the platform the computation is lowered
-    for (`jax.lax.platform_dependent`), not the host's: a CPU host compiling for a TPU builds the Mosaic kernels."""
-    branch = functools.partial(_fixed, which, scale=scale, C=C)
-    if backend == "auto":
-        per = {p: branch(resolve_backend("auto", p), bool(interpret)) for p in ("tpu", "cuda")}
-        return jax.lax.platform_dependent(*args, default=branch(resolve_backend("auto", "cpu"), False), **per)
-    if backend in ("pallas_tpu", "pallas_gpu") and interpret is None:
-        return jax.lax.platform_dependent(*args, cpu=branch(backend, True), default=branch(backend, False))
-    return branch(backend, bool(interpret))(*args)
+    return dispatch.run_kernel(_kernels, lambda p: resolve_backend("auto", p), kda_reference.acc_dtype, which,
+                               backend, interpret, scale, C, *args)
 
 
 def _zero_state(q_BTHK, v_BTHV):

@@ -139,20 +139,21 @@ def _tiled_swiglu_bwd(tile, res, dy_MD):
 _tiled_swiglu.defvjp(_tiled_swiglu_fwd, _tiled_swiglu_bwd)
 
 
+def _block_size(M: int, E: int, block: int) -> int:
+    """Rows per tile or block: `block`, or less for small inputs (a power of two >= 8 near the mean group
+    size)."""
+    return max(8, min(block, 1 << max(0, M // E).bit_length()))
+
+
 def ffn_tiled(x_MD, group_sizes_E, wg, wu, wd, tile: int = 128):
     """Same contract as `ffn_ragged_dot`: a loop over expert-pure tiles of sorted rows, one
     [tile, D] x [D, 2F] and one [tile, F] x [F, D] matmul each (a hand-written backward keeps
     the loop out of reverse-mode autodiff). Only tiles in use run: waste < one tile per expert.
     Computes in fp32: XLA:CPU's small bf16 matmuls are several times slower than fp32 ones."""
-    tile = max(8, min(tile, 1 << max(0, x_MD.shape[0] // group_sizes_E.shape[0]).bit_length()))
+    tile = _block_size(x_MD.shape[0], group_sizes_E.shape[0], tile)
     wgu = jnp.concatenate([wg, wu], axis=-1).astype(F32)
     y = _tiled_swiglu(x_MD.astype(F32), group_sizes_E.astype(jnp.int32), wgu, wd.astype(F32), tile)
     return y.astype(x_MD.dtype)
-
-
-def _block_size(M: int, E: int, block: int) -> int:
-    """Rows per block: `block`, or less for small inputs (a power of two >= 8 near the mean group size)."""
-    return max(8, min(block, 1 << max(0, M // E).bit_length()))
 
 
 def ffn_blocked(x_MD, group_sizes_E, wg, wu, wd, block: int = 128, step_bytes: int = 256 << 20):

@@ -23,29 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling2.checkpoint.manager import KILL_ENV, Checkpointer
+from ling2.checkpoint.testing.iterators import Counter
 from ling2.config import load_config
 
 RESULT = "resumed.json"
-
-
-class Counter:
-    """A data iterator whose state is the number of batches taken (bytes, like the trainer's)."""
-
-    def __init__(self):
-        self.n = 0
-
-    def __next__(self):
-        self.n += 1
-        return self.n
-
-    def get_state(self):
-        return str(self.n).encode()
-
-    def set_state(self, state):
-        self.n = int(state)
-
-    def start_prefetch(self):
-        pass
 
 
 def cfg():

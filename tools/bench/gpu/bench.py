@@ -50,19 +50,20 @@ def _jax_runner(fn, args):
 
 
 def _inputs(op, B, T, H, D, seed=0):
+    """fp32 numpy inputs: GLA q, k, v and a per-head decay as [B, T, H]; KDA L2-normed q, k, v, gates in
+    (-5, 0) and beta."""
     r = np.random.default_rng(seed)
-    bf = jnp.bfloat16
     l2 = lambda x: x / np.sqrt(np.sum(x * x, -1, keepdims=True) + 1e-6)
     sig = lambda x: 1 / (1 + np.exp(-x))
     if op == "gla":
         q, k, v = (r.standard_normal((B, T, H, D), np.float32) * 0.1 for _ in range(3))
         g_BTH = np.broadcast_to(-(2.0 ** (-0.5 * (np.arange(H) + 1))), (B, T, H)).astype(np.float32)
-        return {"q": q, "k": k, "v": v, "g": g_BTH}, bf
+        return {"q": q, "k": k, "v": v, "g": g_BTH}
     q, k = (l2(r.standard_normal((B, T, H, D), np.float32)) for _ in range(2))
     v = r.standard_normal((B, T, H, D), np.float32)
     g = (-5 * sig(r.standard_normal((B, T, H, D), np.float32) - 3)).astype(np.float32)
     beta = sig(r.standard_normal((B, T, H), np.float32)).astype(np.float32)
-    return {"q": q, "k": k, "v": v, "g": g, "beta": beta}, bf
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta}
 
 
 def _ling2_runner(op, backend, mode, x):
@@ -96,7 +97,7 @@ def kernels(args, save):
     fla_name = {"gla": "fla_chunk_simple_gla", "kda": "fla_chunk_kda"}[args.op]
     rows = []
     for T in args.ts:
-        x, _ = _inputs(args.op, B, T, H, D)
+        x = _inputs(args.op, B, T, H, D)
         for mode in ("fwd", "fwd+bwd"):
             makers = {"pallas_gpu": lambda: _ling2_runner(args.op, "pallas_gpu", mode, x),
                       "chunked": lambda: _ling2_runner(args.op, "chunked", mode, x),
