@@ -9,18 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ling2.kernels import gla
-from ling2 import topology
+from ling2.kernels.testing.cuda import TRITON, h100_arg
 
 B, T, H = 2, 200, 2
-TRITON = '"__gpu$xla.gpu.triton"'
 
 
 def _args(D, dtype):
-    mesh = Mesh(np.array(topology.devices("h100-1")), ("d",))
-    s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P()))
+    s = h100_arg
     x = s((B, T, H, D), dtype)
     return x, x, x, s((B, T, H), jnp.float32), s((B, T), jnp.int32)
 

@@ -12,13 +12,15 @@ mask is causal within the row AND equal segment id (packed documents never see e
 other). Backends (cfg.attention_kernel): "dot_product" (plain einsum, the reference),
 "blocked" (the same einsums per query block over only the keys up to the block's end: the
 causal half of the work and of the [T, S] buffers; the default, and the CPU choice),
-"cudnn" (jax.nn.dot_product_attention: cuDNN flash on GPU, XLA elsewhere), "flash"
-(Pallas splash attention when lowered for TPU, even from a CPU host; interpret mode elsewhere,
-for tests only; decode with a cache uses the plain path). Decode keeps a latent KV cache
+"cudnn" (cuDNN's fused flash attention when lowered for CUDA and the head dims fit, else "blocked"),
+"flash" (Pallas splash attention when lowered for TPU, even from a CPU host; interpret mode
+elsewhere, for tests only; decode with a cache uses the plain path). Decode keeps a latent KV cache
 (normed c_kv and rotated k_rope per slot, `ling2.layers.decode`) and attends in the absorbed form: q_nope mapped into the latent
 space by kv_b's key half, scores and the weighted sum taken against the latents, then kv_b's
 value half (`MLA.absorbed`); writing past the cache's end turns the output into NaN.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,13 +75,42 @@ def blocked_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, block):
     return jnp.concatenate(outs, axis=1)
 
 
-def jax_attention(q_BTHK, k_BSHK, v_BSHV, mask_BTS, scale):
-    """jax.nn.dot_product_attention: cuDNN flash attention on GPU when it applies, XLA otherwise."""
+def cudnn_fits(K, V):
+    """cuDNN's fused attention (through JAX) takes head dims <= 128 in multiples of 8; v is padded to q's."""
+    return K <= 128 and K % 8 == 0 and V <= K
+
+
+@functools.cache
+def _have_cudnn() -> bool:
+    """Whether this JAX install can build cuDNN attention at all (its CUDA plugin finds cuDNN); without it,
+    nothing here lowers for CUDA either."""
+    x = jax.ShapeDtypeStruct((1, 8, 1, 8), jnp.bfloat16)
+    try:
+        jax.eval_shape(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation="cudnn"), x)
+    except RuntimeError:
+        return False
+    return True
+
+
+def cudnn_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, block):
+    """Causal, same-segment attention through cuDNN's fused flash attention when lowered for CUDA (segments as
+    a mask, causality as cuDNN's own mask type); blocked_attention elsewhere, and where cuDNN cannot take the
+    head dims (`cudnn_fits`) or JAX has no cuDNN. Needs T == S."""
     K, V = q_BTHK.shape[-1], v_BSHV.shape[-1]
-    if V < K:  # cuDNN wants equal q/k and v head dims; zero columns of v change nothing.
-        v_BSHV = jnp.pad(v_BSHV, ((0, 0), (0, 0), (0, 0), (0, K - V)))
-    o = jax.nn.dot_product_attention(q_BTHK, k_BSHK, v_BSHV, mask=mask_BTS[:, None], scale=scale)
-    return o[..., :V]
+
+    def fallback(q, k, v, seg):
+        return blocked_attention(q, k, v, seg, scale, block)
+
+    def fused(q, k, v, seg):
+        v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, K - V)))  # zero columns change nothing
+        same_B1TS = (seg[:, :, None] == seg[:, None, :])[:, None]
+        o = jax.nn.dot_product_attention(q, k, v, mask=same_B1TS, scale=scale, is_causal=True,
+                                         implementation="cudnn")
+        return o[..., :V]
+
+    if not (cudnn_fits(K, V) and _have_cudnn()):
+        return fallback(q_BTHK, k_BSHK, v_BSHV, segment_BT)
+    return jax.lax.platform_dependent(q_BTHK, k_BSHK, v_BSHV, segment_BT, cuda=fused, default=fallback)
 
 
 def splash_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, *, interpret=None, block=512):
@@ -222,14 +253,14 @@ class MLA(nnx.Module):
         kernel = self.kernel
         if kernel == "flash" and mask_BTS is None:
             return splash_attention(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, self.scale)
+        if kernel == "cudnn" and mask_BTS is None:
+            return cudnn_attention(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, self.scale, self.block)
         if kernel == "blocked" and mask_BTS is None:
             return blocked_attention(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, self.scale, self.block)
         if mask_BTS is None:
             index = jnp.broadcast_to(jnp.arange(q_BTHK.shape[1], dtype=jnp.int32), segment_ids_BT.shape)
             mask_BTS = attention_mask(segment_ids_BT, segment_ids_BT, index, index)
-        if kernel == "cudnn":
-            return jax_attention(q_BTHK, k_BSHK, v_BSHV, mask_BTS, self.scale)
-        if kernel in ("dot_product", "blocked", "flash"):
+        if kernel in ("dot_product", "blocked", "flash", "cudnn"):
             return dot_product_attention(q_BTHK, k_BSHK, v_BSHV, mask_BTS, self.scale)
         raise ValueError(f"attention_kernel: unknown {kernel!r}")
 

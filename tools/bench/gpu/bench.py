@@ -36,6 +36,8 @@ PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}
 
 def _median_seconds(run, repeats):
     run()  # warm-up (compiled already; autotuning for fla)
+    if not repeats:
+        return None
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -83,6 +85,36 @@ def _ling2_runner(op, backend, mode, x):
     return _jax_runner(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=argnums), args)
 
 
+def _kda_prologue_runner(x):
+    """KDA forward's state-independent part alone (padding, chunking, the batched XLA prologue and the
+    sweep operands of kda_pallas_gpu): the part outside the Triton sweeps."""
+    from ling2.kernels import kda, kda_pallas_gpu
+
+    def f(q, k, v, g, beta):
+        C = 64
+        args = [kda.prepare(t, C) for t in (q, k, v, g)] + [kda.prepare_beta(beta, C)]
+        aux = kda.prepare_docs(jnp.zeros(q.shape[:2], jnp.int32), C)
+        return kda_pallas_gpu._sweep_inputs(*args, aux, q.shape[-1] ** -0.5, C)[2]
+
+    return _jax_runner(f, [jnp.asarray(x[n], jnp.bfloat16) for n in "qkv"] + [jnp.asarray(x["g"]), jnp.asarray(x["beta"])])
+
+
+def _with_block_v(op, bv, make):
+    """make() with the Pallas GPU kernels' state columns per program set to bv while it traces."""
+    from ling2.kernels import gla_pallas_gpu, kda_pallas_gpu
+
+    mod = {"gla": gla_pallas_gpu, "kda": kda_pallas_gpu}[op]
+
+    def wrapped():
+        old, mod.BLOCK_V = mod.BLOCK_V, bv
+        try:
+            return make()
+        finally:
+            mod.BLOCK_V = old
+
+    return wrapped
+
+
 def _cudnn_runner(mode, x):
     q, k, v = (jnp.asarray(x[n], jnp.bfloat16) for n in "qkv")
     att = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -100,12 +132,15 @@ def kernels(args, save):
         x = _inputs(args.op, B, T, H, D)
         for mode in ("fwd", "fwd+bwd"):
             makers = {"pallas_gpu": lambda: _ling2_runner(args.op, "pallas_gpu", mode, x),
+                      "pallas_gpu_bv32": _with_block_v(args.op, 32, lambda: _ling2_runner(args.op, "pallas_gpu", mode, x)),
                       "chunked": lambda: _ling2_runner(args.op, "chunked", mode, x),
                       "cudnn_attention": lambda: _cudnn_runner(mode, x),
                       fla_name: lambda: fla_reference.chunk_op_runner(args.op, mode, x)}
             if args.op == "kda":  # Ling 3's gates are bounded (-5, 0): fla's safe-gate path applies
                 makers[fla_name + "_safe_gate"] = lambda: fla_reference.chunk_op_runner(args.op, mode, x, safe_gate=True,
                                                                                       lower_bound=-5.0)
+                if mode == "fwd":
+                    makers["pallas_gpu_prologue_only"] = lambda: _kda_prologue_runner(x)
             for impl, make in makers.items():
                 if args.impls and impl not in args.impls:
                     continue
@@ -114,21 +149,21 @@ def kernels(args, save):
                     t0 = time.perf_counter()
                     run = make()
                     row["compile_seconds"] = time.perf_counter() - t0
-                    row["seconds"] = _median_seconds(run, args.repeats)
+                    row["seconds"] = _median_seconds(run, 0 if args.warm else args.repeats)
                 except Exception as e:  # noqa: BLE001 - a failing implementation is a result, recorded
                     row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
                 rows.append(row)
                 save(rows)
-                print(f"{args.op} T={T:>6} {mode:>8} {impl:>22} "
-                      + (f"{row['seconds'] * 1e3:9.2f} ms" if "seconds" in row else f"ERROR {row['error'][:160]}"),
-                      flush=True)
+                print(f"{args.op} T={T:>6} {mode:>8} {impl:>24} "
+                      + (f"ERROR {row['error'][:160]}" if "error" in row else "warm" if args.warm
+                         else f"{row['seconds'] * 1e3:9.2f} ms"), flush=True)
     return rows
 
 
 def with_ratios(rows, fla_name):
     for r in rows:
         ref = next((s for s in rows if s["T"] == r["T"] and s["mode"] == r["mode"] and s["impl"] == fla_name), None)
-        if ref and "seconds" in ref and "seconds" in r:
+        if ref and ref.get("seconds") and r.get("seconds"):
             r["ratio_vs_fla"] = r["seconds"] / ref["seconds"]
     return rows
 
@@ -145,13 +180,17 @@ def step(args, save):
     step_bench.FLAGS([step_bench.__file__, f"--batch={args.batch}", f"--iters={args.repeats}"])
     peak, measured = args.peak, args.measured
     rows = []
-    for model in args.models:
+    for model, attn in [(m, a) for m in args.models for a in args.attention_kernels]:
         try:
-            r = step_bench.bench(model, args.seq)
+            r = step_bench.bench(model, args.seq, compile_only=args.compile_only, attention_kernel=attn)
         except Exception as e:  # noqa: BLE001
-            rows.append({"model": model, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+            rows.append({"model": model, "attention_kernel": attn, "error": f"{type(e).__name__}: {str(e)[:400]}"})
             print(f"{model}: ERROR {rows[-1]['error'][:200]}", flush=True)
             save(rows)
+            continue
+        if args.compile_only:
+            rows.append(r)
+            print(f"{model} {attn}: compiled in {r['compile_s']:.0f} s", flush=True)
             continue
         r.pop("cpu_mfu"), r.pop("matmul_gflops"), r.pop("peak_rss_MiB")
         flops = r["model_gflops"] * 1e9
@@ -159,7 +198,7 @@ def step(args, save):
                  mfu_vs_measured_matmul=flops / measured)
         rows.append(r)
         save(rows)
-        print(f"{model}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s, "
+        print(f"{model} {attn}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s, "
               f"{flops / 1e12:.1f} TFLOP/s, MFU {r['mfu_vs_datasheet_peak'] or 0:.1%} of peak, "
               f"{r['mfu_vs_measured_matmul']:.1%} of the measured matmul", flush=True)
     return rows
@@ -175,11 +214,17 @@ def main():
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--attention_kernels", default="cudnn,blocked", help="step: MLA attention_kernel values")
+    p.add_argument("--compile_only", action="store_true",
+                   help="step: compile only (fills JAX_COMPILATION_CACHE_DIR for a later timed process)")
+    p.add_argument("--warm", action="store_true",
+                   help="kernels: compile and run each once, untimed (fills the JAX cache and fla's autotuning cache)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     args.ts = [int(t) for t in args.ts.split(",")]
     args.models = args.models.split(",")
     args.impls = [i for i in args.impls.split(",") if i]
+    args.attention_kernels = args.attention_kernels.split(",")
     if jax.default_backend() != "gpu":
         raise SystemExit(f"tools/bench/gpu needs a GPU; JAX's default backend is {jax.default_backend()!r}")
     head = {**host_facts(), "command": " ".join(sys.argv[1:])}
@@ -192,8 +237,8 @@ def main():
         kind = jax.devices()[0].device_kind
         peak = next((v for k, v in PEAK_BF16.items() if k in kind), None)
         head["datasheet_peak_bf16_tflops"] = None if peak is None else peak / 1e12
-        head["measured_matmul_bf16_tflops"] = matmul_rate() / 1e12
-        args.peak, args.measured = peak, head["measured_matmul_bf16_tflops"] * 1e12
+        head["measured_matmul_bf16_tflops"] = None if args.compile_only else matmul_rate() / 1e12
+        args.peak, args.measured = peak, (head["measured_matmul_bf16_tflops"] or 0) * 1e12
         run = lambda save: step(args, save)
         post = lambda rows: rows
 

@@ -47,14 +47,17 @@ def matmul_flops(dtype, n: int = 2048, iters: int = 3) -> float:
     return 2 * n**3 / _time(f, x, iters=iters)
 
 
-def bench(model_name: str, seq: int) -> dict:
+def bench(model_name: str, seq: int, compile_only: bool = False, **overrides) -> dict:
+    """One row; `overrides` are config keys (e.g. attention_kernel="cudnn"). compile_only: stop after the
+    compile (which a persistent compilation cache keeps for a later process)."""
     from ling2.config import load_config
     from ling2.layers.model import Ling2Model, count_params, training_flops_per_token
     from ling2.train import step as S
     from ling2.train.state import trainable_filter
 
     max_pos = max(seq, load_config(model_name=model_name).max_position_embeddings)  # rope tables reach seq
-    cfg = load_config(model_name=model_name, max_target_length=seq, max_position_embeddings=max_pos, scan_layers=True)
+    cfg = load_config(model_name=model_name, max_target_length=seq, max_position_embeddings=max_pos, scan_layers=True,
+                      **overrides)
     model = Ling2Model(cfg, rngs=nnx.Rngs(0))
     gd, params, rest = nnx.split(model, trainable_filter(cfg), ...)
     r = np.random.default_rng(0)
@@ -65,7 +68,11 @@ def bench(model_name: str, seq: int) -> dict:
               loss_weights=jnp.ones((B, seq), jnp.float32))
     norms = {"tokens": jnp.float32(B * seq), "mtp_tokens": jnp.full((cfg.mtp_num_layers,), B * seq, jnp.float32)}
     grad = jax.jit(jax.grad(functools.partial(S.forward, gd, cfg=cfg, norms=norms), argnums=0, has_aux=True))
+    t0 = time.perf_counter()
     compiled = grad.lower(params, rest, mb).compile()  # compiled once: timed below, memory read from it
+    compile_s = time.perf_counter() - t0
+    if compile_only:
+        return {"model": model_name, "seq": seq, **overrides, "compile_s": compile_s}
     f = lambda p: compiled(p, rest, mb)
     mem = compiled.memory_analysis()
     dt = _time(f, params, iters=FLAGS.iters)
@@ -73,8 +80,8 @@ def bench(model_name: str, seq: int) -> dict:
     tps = B * seq / dt
     model_flops = tps * training_flops_per_token(cfg, seq)
     planned = planned_bytes(mem)
-    return {"model": model_name, "seq": seq, "dtype": cfg.dtype, "params_M": count_params(cfg)["total"] / 1e6,
-            "step_s": dt, "tokens_per_s": tps, "model_gflops": model_flops / 1e9, "matmul_gflops": ref / 1e9,
+    return {"model": model_name, "seq": seq, **overrides, "dtype": cfg.dtype, "compile_s": compile_s,
+            "params_M": count_params(cfg)["total"] / 1e6, "step_s": dt, "tokens_per_s": tps, "model_gflops": model_flops / 1e9, "matmul_gflops": ref / 1e9,
             "cpu_mfu": model_flops / ref, "planned_MiB": planned / 2**20,
             "peak_rss_MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
