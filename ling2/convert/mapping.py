@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ling2.layers.attention import ATTENTION
 from ling2.layers.plan import layer_plan
 
 
@@ -59,35 +60,8 @@ def to_hf(e: Entry, x: np.ndarray, leaf_shape: tuple) -> np.ndarray:
 
 
 def _attention(layout: str, attn_type: str) -> list[tuple]:
-    """(HF suffix, Ling2 sub-path, nin, aliases[, reshape]) of one attention block."""
-    if attn_type == "kda":  # bailing_hybrid's on-disk names (transformers renames them only in memory)
-        a = "attention"
-        out = [(f"{a}.{p}.weight", ("attention", p), 1, ()) for p in ("q_proj", "k_proj", "v_proj")]
-        out += [(f"{a}.{p}_conv1d.weight", ("attention", f"{p}_conv"), 0, (), "conv") for p in "qkv"]
-        return out + [(f"{a}.f_proj.weight", ("attention", "f_proj"), 1, ()),
-                      (f"{a}.dt_bias", ("attention", "dt_bias"), 0, (), "flat"),
-                      (f"{a}.A_log", ("attention", "A_log"), 0, ()),
-                      (f"{a}.b_proj.weight", ("attention", "b_proj"), 1, ()),
-                      (f"{a}.g_proj.weight", ("attention", "g_proj"), 1, ()),
-                      (f"{a}.o_norm.weight", ("attention", "o_norm", "weight"), 0, ()),
-                      (f"{a}.dense.weight", ("attention", "dense"), 2, ())]
-    if attn_type == "gla":
-        return [("attention.query_key_value.weight", ("attention", "qkv"), 1, ()),
-                ("attention.g_proj.weight", ("attention", "g_proj"), 1, ()),
-                ("attention.g_norm.weight", ("attention", "g_norm", "weight"), 0, ()),
-                ("attention.query_layernorm.weight", ("attention", "q_norm", "weight"), 0, ()),
-                ("attention.key_layernorm.weight", ("attention", "k_norm", "weight"), 0, ()),
-                ("attention.dense.weight", ("attention", "dense"), 2, ())]
-    a, out = ("self_attn", "o_proj") if layout == "deepseek_v3" else ("attention", "dense")
-    return [(f"{a}.q_a_proj.weight", ("attention", "q_a"), 1, ()),
-            (f"{a}.q_a_layernorm.weight", ("attention", "q_a_norm", "weight"), 0, ()),
-            (f"{a}.q_b_proj.weight", ("attention", "q_b"), 1, ()),
-            (f"{a}.q_proj.weight", ("attention", "q"), 1, ()),
-            (f"{a}.kv_a_proj_with_mqa.weight", ("attention", "kv_a"), 1, ()),
-            (f"{a}.kv_a_layernorm.weight", ("attention", "kv_a_norm", "weight"), 0, ()),
-            (f"{a}.kv_b_proj.weight", ("attention", "kv_b"), 1, ()),
-            (f"{a}.{out}.weight", ("attention", "dense"), 2, ()),
-            (f"{a}.g_proj.weight", ("attention", "g_proj"), 1, ())]
+    """(HF suffix, Ling2 sub-path, nin, aliases[, reshape]) of one attention block: its kind's registry entry."""
+    return ATTENTION[attn_type].hf_params(layout)
 
 
 def _mlp(layout: str, mlp_type: str, num_experts: int) -> list[tuple]:

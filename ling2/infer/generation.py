@@ -110,11 +110,6 @@ def probs(logits_BV, s: Sampling):
     return jax.nn.softmax(filter_logits(logits_BV, s), axis=-1)
 
 
-def _take_rows(x_BT_, i_B):
-    """x[b, i[b]] for every row."""
-    return jnp.take_along_axis(x_BT_, i_B.reshape((-1, 1) + (1,) * (x_BT_.ndim - 2)), axis=1)[:, 0]
-
-
 def _slice_rows(x_BT_, start_B, size: int):
     """x[b, start[b]:start[b] + size] for every row."""
     return jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, size, 0))(x_BT_, start_B)
@@ -171,7 +166,7 @@ def pack_rows(lengths, capacity: int) -> list[list[int]]:
 class Prefilled(NamedTuple):
     """What decoding starts from (all on device, the padded layout)."""
 
-    cache: dict  # main decoder cache, index = M + P
+    cache: decode_lib.DecoderCache  # main decoder cache, index = M + P
     hidden: jax.Array  # [B, M + P, E] the main hidden state MTP consumes (pre- or post-norm per cfg)
     last_logits: jax.Array  # [B, V] at each row's last prompt token
 
@@ -180,48 +175,27 @@ def _mtp_hidden(model, out):
     return out.hidden_pre_norm if model.mtp is not None and model.mtp.pre_norm else out.hidden
 
 
-def _prefill_padded(model, ids, pos, seg, S: int, absorb: bool) -> Prefilled:
+def _prefill_padded(model, ids, pos, seg, S: int) -> Prefilled:
     cache = model.decoder.init_cache(ids.shape[0], S)
-    out, cache = model.decoder.decode(ids, pos, cache, seg, return_logits=False, fresh=True, absorb=absorb)
+    out, cache = model.decoder.decode("prefill", ids, pos, cache, seg, return_logits=False)
     return Prefilled(cache, _mtp_hidden(model, out), model.decoder.logits(out.hidden[:, -1:])[:, 0])
 
 
-def _prefill_packed(model, ids_RL, pos_RL, seg_RL, gather, S: int, num_docs: int, absorb: bool) -> Prefilled:
-    """Packed prefill of rows [R, L], then every document moved to its own row.
-
-    gather: int32 arrays of the padded layout [B, M + P]: `row` and `col` the packed slot each
-    padded slot takes its latents / hidden state from (-1: padding), `doc` [B, 2] the packed row
-    and document number of each prompt (its GLA end state).
-    """
+def _prefill_packed(model, ids_RL, pos_RL, seg_RL, gather: decode_lib.Gather, S: int, num_docs: int) -> Prefilled:
+    """Packed prefill of rows [R, L], then every document moved to its own row of the padded layout
+    [B, M + P] (`gather`: where each padded slot and prompt takes its values from)."""
     R, L = ids_RL.shape
-    out, packed = model.decoder.decode(ids_RL, pos_RL, model.decoder.init_cache(R, L), seg_RL, return_logits=False,
-                                       fresh=True, absorb=absorb, packed_docs=num_docs)
-    row, col, doc = gather["row"], gather["col"], gather["doc"]
-    valid = row >= 0
-    r, c = jnp.maximum(row, 0), jnp.maximum(col, 0)
-
-    def move(x_RL_):
-        y = x_RL_[r, c]
-        return jnp.where(valid.reshape(valid.shape + (1,) * (y.ndim - 2)), y, 0)
-
-    B, T = row.shape
-    cache = model.decoder.init_cache(B, S)
-    layers = {}
-    for i, lc in packed["layers"].items():
-        if "doc_states" in lc:
-            layers[i] = {"state": lc["doc_states"][doc[:, 0], doc[:, 1]]}
-        else:
-            layers[i] = {k: cache["layers"][i][k].at[:, :T].set(move(v[:, :L])) for k, v in lc.items()}
-    segment = cache["segment"].at[:, :T].set(valid.astype(jnp.int32))
-    cache = {"index": jnp.full((B,), T, jnp.int32), "segment": segment, "layers": layers}
-    hidden = move(_mtp_hidden(model, out))
-    return Prefilled(cache, hidden, model.decoder.logits(move(out.hidden)[:, -1:])[:, 0])
+    out, packed = model.decoder.decode("prefill", ids_RL, pos_RL, model.decoder.init_cache(R, L), seg_RL,
+                                       return_logits=False, opts=decode_lib.DecodeOptions(packed_docs=num_docs))
+    cache = model.decoder.unpack(packed, gather, S)
+    hidden = decode_lib.move_slots(_mtp_hidden(model, out), gather)
+    return Prefilled(cache, hidden, model.decoder.logits(decode_lib.move_slots(out.hidden, gather)[:, -1:])[:, 0])
 
 
 class Loop(NamedTuple):
     """The decode loop's carry."""
 
-    cache: dict
+    cache: decode_lib.DecoderCache
     tokens: jax.Array  # [B, N + K + 1] generated tokens
     count: jax.Array  # [B] tokens generated
     last: jax.Array  # [B] the newest token, not yet fed to the model
@@ -230,7 +204,7 @@ class Loop(NamedTuple):
     step: jax.Array  # main forwards so far (prefill excluded)
     key: jax.Array
     # speculative only (empty or None otherwise)
-    mtp: tuple = ()  # per depth: its decode cache
+    mtp: tuple = ()  # per depth: its decode cache (MTP.init_cache)
     hbuf: jax.Array = None  # [B, W, E] main hidden at positions pos-W .. pos-1
     tbuf: jax.Array = None  # [B, W + 1] tokens at positions pos-W .. pos
     attempts: jax.Array = None  # [K] drafts examined
@@ -253,16 +227,16 @@ def _start(pre: Prefilled, lay: Layout, lengths, N: int, K: int, key, s: Samplin
     return Loop(pre.cache, tokens, jnp.ones((B,), jnp.int32), first, pos, done, jnp.zeros((), jnp.int32), key)
 
 
-def _decode_loop(model, loop: Loop, N: int, s: Sampling, stop_ids, absorb: bool) -> Loop:
+def _decode_loop(model, loop: Loop, N: int, s: Sampling, stop_ids, opts: decode_lib.DecodeOptions) -> Loop:
     def cond(c: Loop):
         return ~jnp.all(c.done)
 
     def body(c: Loop):
-        out, cache = model.decoder.decode(c.last[:, None], c.pos[:, None], c.cache, absorb=absorb)
+        out, cache = model.decoder.decode("step", c.last[:, None], c.pos[:, None], c.cache, opts=opts)
         key, k = jax.random.split(c.key)
         tok = sample(out.logits[:, 0], k, s)
         live = ~c.done
-        cache = {**cache, "index": jnp.where(live, cache["index"], c.cache["index"])}
+        cache = cache.replace(index=jnp.where(live, cache.index, c.cache.index))
         tokens = c.tokens.at[jnp.arange(tok.shape[0]), c.count].set(jnp.where(live, tok, 0))
         count = c.count + live
         done = c.done | (live & _is_stop(tok, stop_ids)) | (count >= N)
@@ -275,20 +249,16 @@ def _decode_loop(model, loop: Loop, N: int, s: Sampling, stop_ids, absorb: bool)
 # ---- MTP self-speculative decoding ----
 
 
-def _mtp_prefill(model, pre: Prefilled, ids, pos, seg, first, S: int, absorb: bool) -> tuple:
+def _mtp_prefill(model, pre: Prefilled, ids, pos, seg, first, S: int) -> tuple:
     """Every MTP depth's cache over the prompt slots: depth k at slot t sees the token k ahead
     (the first generated token after the prompt; 0 beyond) and depth k-1's hidden state."""
     B, T = ids.shape
     seq = jnp.concatenate([ids, first[:, None], jnp.zeros((B, len(model.mtp.depths)), jnp.int32)], axis=1)
     h, caches = pre.hidden, []
-    for k, depth in enumerate(model.mtp.depths, start=1):
-        cache = depth.layer.init_cache(B, S)
-        shared = decode_lib.empty(B, S)
-        state = decode_lib.begin(shared, seg, fresh=True, absorb=absorb)
-        emb = model.decoder.embed(seq[:, k:k + T])
-        y, y_normed, _, layer_cache = depth(emb, h, pos, seg, seg != 0, cache=cache, decode=state)
-        caches.append(decode_lib.end(state, T, layer_cache))
-        h = y if model.mtp.pre_norm else y_normed
+    for k in range(1, len(model.mtp.depths) + 1):
+        h, _, cache = model.mtp.decode(k, "prefill", model.decoder, seq[:, k:k + T], h, pos, seg,
+                                       model.mtp.init_cache(k, B, S), decode_lib.DecodeOptions())
+        caches.append(cache)
     return tuple(caches)
 
 
@@ -296,28 +266,25 @@ def _head(model, y_normed_BTE):
     return model.decoder.logits(y_normed_BTE).astype(F32)
 
 
-def _draft(model, c: Loop, W: int, s: Sampling, key, absorb: bool):
+def _draft(model, c: Loop, W: int, s: Sampling, key, opts: decode_lib.DecodeOptions):
     """Every depth over the window of positions pos-W .. pos-1; returns (drafts [B,K], draft probs
     [B,K,V], new MTP caches)."""
     offs = jnp.arange(-W, 0, dtype=jnp.int32)
     pos = c.pos[:, None] + offs  # [B, W]
     seg = (pos >= 0).astype(jnp.int32)
     pos = jnp.maximum(pos, 0)
-    base = c.cache["index"] - W  # slot of position pos - W
+    base = c.cache.index - W  # slot of position pos - W
     h, ext, caches, drafts, qs = c.hbuf, c.tbuf, [], [], []
     keys = jax.random.split(key, len(model.mtp.depths))
-    for k, depth in enumerate(model.mtp.depths, start=1):
-        shared = {**c.mtp[k - 1], "index": base}
-        state = decode_lib.begin(shared, seg, absorb=absorb)
-        emb = model.decoder.embed(ext[:, k:k + W])
-        y, y_normed, _, layer_cache = depth(emb, h, pos, seg, seg != 0, cache=shared["layers"], decode=state)
-        caches.append(decode_lib.end(state, W, layer_cache))
+    for k in range(1, len(model.mtp.depths) + 1):
+        h, y_normed, cache = model.mtp.decode(k, "step", model.decoder, ext[:, k:k + W], h, pos, seg,
+                                              c.mtp[k - 1].replace(index=base), opts)
+        caches.append(cache)
         logits = _head(model, y_normed[:, -1:])[:, 0]
         d = sample(logits, keys[k - 1], s)
         drafts.append(d)
         qs.append(probs(logits, s))
         ext = jnp.concatenate([ext, d[:, None]], axis=1)
-        h = y if model.mtp.pre_norm else y_normed
     return jnp.stack(drafts, 1), jnp.stack(qs, 1), tuple(caches)
 
 
@@ -335,28 +302,26 @@ def _accept(logits_BJV, drafts_BK, q_BKV, key, s: Sampling):
     ok = jax.random.uniform(ku, (B, K)) * q_d < p_d  # accept with probability min(1, p/q)
     a = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
     q_pad = jnp.concatenate([q_BKV, jnp.zeros_like(q_BKV[:, :1])], axis=1)  # nothing drafted after depth K
-    resid = jnp.maximum(_take_rows(p, a) - _take_rows(q_pad, a), 0)
-    resid = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, _take_rows(p, a))
+    resid = jnp.maximum(decode_lib.take_rows(p, a) - decode_lib.take_rows(q_pad, a), 0)
+    resid = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, decode_lib.take_rows(p, a))
     fix = jax.random.categorical(kr, jnp.log(resid), axis=-1).astype(jnp.int32)
     tokens = jnp.concatenate([drafts_BK, jnp.zeros((B, 1), jnp.int32)], axis=1)
     tokens = jnp.where(jnp.arange(K + 1)[None] == a[:, None], fix[:, None], tokens)
     return a, tokens
 
 
-def _spec_loop(model, loop: Loop, N: int, K: int, s: Sampling, stop_ids, absorb: bool) -> Loop:
+def _spec_loop(model, loop: Loop, N: int, K: int, s: Sampling, stop_ids, opts: decode_lib.DecodeOptions) -> Loop:
     W = 2 * K
-    gla = [i for i, layer in model.decoder.layer_list() if layer.attn_type in ("gla", "kda")]
-    kda = [i for i, layer in model.decoder.layer_list() if layer.attn_type == "kda"]
 
     def cond(c: Loop):
         return ~jnp.all(c.done)
 
     def body(c: Loop):
         key, kd, ka = jax.random.split(c.key, 3)
-        drafts, q, mtp = _draft(model, c, W, s, kd, absorb)
+        drafts, q, mtp = _draft(model, c, W, s, kd, opts)
         ids = jnp.concatenate([c.last[:, None], drafts], axis=1)  # positions pos .. pos + K
         pos = c.pos[:, None] + jnp.arange(K + 1, dtype=jnp.int32)
-        out, cache = model.decoder.decode(ids, pos, c.cache, absorb=absorb, token_states=True)
+        out, cache = model.decoder.decode("step", ids, pos, c.cache, opts=opts._replace(history=True))
         a, new = _accept(out.logits.astype(F32), drafts, q, ka, s)  # new[:, j]: the token at pos + j + 1
         live = ~c.done
         B = a.shape[0]
@@ -371,18 +336,11 @@ def _spec_loop(model, loop: Loop, N: int, K: int, s: Sampling, stop_ids, absorb:
         count = c.count + n_new
         done = c.done | (live & (first_stop <= a)) | (count >= N)
         adv = jnp.where(live, a + 1, 0)
-        states = {i: _take_rows(cache["layers"][i]["states"], a) for i in gla}
-        states = {i: jnp.where(live[:, None, None, None], v, c.cache["layers"][i]["state"]) for i, v in states.items()}
-        convs = {i: _take_rows(cache["layers"][i]["convs"], a) for i in kda}  # KDA conv windows
-        convs = {i: jnp.where(live.reshape((-1,) + (1,) * (v.ndim - 1)), v, c.cache["layers"][i]["conv"])
-                 for i, v in convs.items()}
-        layers = {i: {k: v for k, v in lc.items() if k not in ("states", "convs")} | (
-                  {"conv": convs[i]} if i in convs else {}) for i, lc in cache["layers"].items()}
-        cache = decode_lib.rollback({**cache, "layers": layers}, c.cache["index"] + adv, states)
+        cache = model.decoder.accept(c.cache, cache, a, live)
         hidden = _mtp_hidden(model, out)
         hbuf = _slice_rows(jnp.concatenate([c.hbuf, hidden.astype(c.hbuf.dtype)], axis=1), adv, W)
         tbuf = _slice_rows(jnp.concatenate([c.tbuf, new], axis=1), adv, W + 1)
-        last = _take_rows(new, a)
+        last = decode_lib.take_rows(new, a)
         reached = live[:, None] & (jnp.arange(K)[None] <= a[:, None])  # draft j+1 examined
         accepted = live[:, None] & (jnp.arange(K)[None] < a[:, None])
         return c._replace(cache=cache, tokens=tokens, count=count, last=jnp.where(live, last, c.last),
@@ -392,10 +350,10 @@ def _spec_loop(model, loop: Loop, N: int, K: int, s: Sampling, stop_ids, absorb:
     return jax.lax.while_loop(cond, body, loop)
 
 
-def _spec_start(model, loop: Loop, pre: Prefilled, ids, pos, seg, lay: Layout, K: int, absorb: bool) -> Loop:
+def _spec_start(model, loop: Loop, pre: Prefilled, ids, pos, seg, lay: Layout, K: int) -> Loop:
     W = 2 * K
     T = lay.M + lay.P
-    mtp = _mtp_prefill(model, pre, ids, pos, seg, loop.last, lay.S, absorb)
+    mtp = _mtp_prefill(model, pre, ids, pos, seg, loop.last, lay.S)
     hbuf = pre.hidden[:, T - W:]
     tbuf = jnp.concatenate([ids[:, T - W:], loop.last[:, None]], axis=1)
     z = jnp.zeros((K,), jnp.int32)
@@ -427,16 +385,17 @@ class Generator:
         K = self.num_mtp if spec else 0
         self.traces["prefill"] += 1
         if packed is None:
-            pre = _prefill_padded(model, ids, pos, seg, lay.S, absorb)
+            pre = _prefill_padded(model, ids, pos, seg, lay.S)
         else:
             p_ids, p_pos, p_seg, gather = packed_inputs
-            pre = _prefill_packed(model, p_ids, p_pos, p_seg, gather, lay.S, packed, absorb)
+            pre = _prefill_packed(model, p_ids, p_pos, p_seg, decode_lib.Gather(**gather), lay.S, packed)
         loop = _start(pre, lay, lengths, N, K, key, s, stop_ids)
         self.traces["decode"] += 1
+        opts = decode_lib.DecodeOptions(absorb=absorb)
         if not spec:
-            return _decode_loop(model, loop, N, s, stop_ids, absorb)
-        loop = _spec_start(model, loop, pre, ids, pos, seg, lay, K, absorb)
-        return _spec_loop(model, loop, N, K, s, stop_ids, absorb)
+            return _decode_loop(model, loop, N, s, stop_ids, opts)
+        loop = _spec_start(model, loop, pre, ids, pos, seg, lay, K)
+        return _spec_loop(model, loop, N, K, s, stop_ids, opts)
 
     def generate(self, prompt_ids, max_new_tokens: int, *, sampling: Sampling = Sampling(), seed: int = 0,
                  stop_ids=(), speculative: bool = False, absorb: bool = True, packed: bool = False) -> Generation:

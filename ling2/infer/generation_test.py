@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from ling2.infer.generation import Generator, InferError, generate, pack_rows
 from ling2.infer.testing.models import greedy_by_full_forward, micro, prompts
 from ling2.kernels import gla
-from ling2.kernels.gla_reference import naive_recurrence
+from ling2.kernels.gla.reference import naive_recurrence
 from ling2.layers import moe_experts
 
 N = 10
@@ -117,7 +117,7 @@ def test_bad_input_is_named(setup):
 
 
 def test_segment_end_states_equal_the_recurrence_per_document():
-    """Reference: the per-token recurrence (gla_reference.naive_recurrence) on each document alone."""
+    """Reference: the per-token recurrence (gla/reference.py's naive_recurrence) on each document alone."""
     rng = np.random.default_rng(0)
     B, T, H, K, V = 2, 23, 3, 8, 4
     k = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.float32)

@@ -17,6 +17,7 @@ from flax import nnx
 from ling2.infer import generation
 from ling2.infer.generation import Generator, Sampling
 from ling2.infer.testing.models import micro, oracle_drafts, prompts
+from ling2.layers.decode import DecodeOptions
 
 N = 9
 LENGTHS = (6, 2, 33)
@@ -82,11 +83,11 @@ def test_cached_drafts_equal_teacher_forced_mtp_forward(k2):
 
     @nnx.jit
     def drafts(model, ids, pos, seg):
-        pre = generation._prefill_padded(model, ids, pos, seg, lay.S, True)
+        pre = generation._prefill_padded(model, ids, pos, seg, lay.S)
         lengths = jnp.asarray([len(p) for p in ps], jnp.int32)
         loop = generation._start(pre, lay, lengths, N, 2, jax.random.PRNGKey(0), s, ())
-        loop = generation._spec_start(model, loop, pre, ids, pos, seg, lay, 2, True)
-        d, _, _ = generation._draft(model, loop, 4, s, jax.random.PRNGKey(1), True)
+        loop = generation._spec_start(model, loop, pre, ids, pos, seg, lay, 2)
+        d, _, _ = generation._draft(model, loop, 4, s, jax.random.PRNGKey(1), DecodeOptions())
         return loop.last, d
 
     first, d = (np.asarray(x) for x in drafts(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg)))

@@ -3,11 +3,11 @@
 Needs a GPU (fails, does not skip, without one); Bazel tags it `manual` and `gpu`, so
 `bazel test //...` leaves it out. Run on a GPU machine:
     PYTHONPATH=. python -m pytest ling2/kernels/gpu_device_test.py
-The interpret-mode tests (gla_pallas_test, kda_pallas_test) check the same kernel code on CPU;
+The interpret-mode tests (gla/pallas_test.py, kda/pallas_test.py) check the same kernel code on CPU;
 this one checks what only hardware shows: Triton's lowering, real tensor-core rounding, races
 between programs, rows a kernel never writes (whatever the allocator left there: a mismatch).
 
-Reference: gla_reference.naive_recurrence / kda_reference.naive_recurrence (plain per-token scans,
+Reference: gla/reference.py and kda/reference.py's naive_recurrence (plain per-token scans,
 autodiff gradients, HIGHEST precision) run on the CPU device of the same process, in fp32, on
 the same inputs; gla_test and kda_test check those oracles against flash-linear-attention's naive ops.
 """
@@ -136,7 +136,7 @@ def test_kda_pallas_gpu_on_device_matches_naive(case):
     xs = (q, k, v, g, beta, h0, seg)
     got = jax.device_get(KDA_RUN(*_on(GPU, xs), backend="pallas_gpu", C=C))
     want = jax.device_get(KDA_RUN(*_on(CPU, xs), backend="naive", C=C))
-    # fp32: the kernels take TF32 for the decay products and the (I + A)^-1 solve (kda_pallas_gpu._dots).
+    # fp32: the kernels take TF32 for the decay products and the (I + A)^-1 solve (kda/pallas_gpu.py's _dots).
     _compare(KDA_NAMES, got, want, 5e-2 if dtype == jnp.bfloat16 else 2e-3, dg_floor=1.0)
 
 

@@ -15,11 +15,15 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import PartitionSpec as P
+from flax import nnx, struct
 
 from ling2.kernels import gla
 from ling2.layers import norms, rope, sharding, yarn
+from ling2.layers.decode import take_rows, where_rows
+
+BTHD = ("activation_batch", "activation_length", "activation_heads", None)
+BTHD_KERNEL = ("activation_batch", None, "activation_heads", None)  # time whole inside the kernel's shard_map
+BHKV = ("activation_batch", "activation_heads", None, None)
 
 
 def alibi_base_slopes(num_heads: int) -> np.ndarray:
@@ -60,6 +64,17 @@ def mixing_flops(cfg, seq_len: int) -> float:
     return H * (4 * D * D + 2 * D * min(cfg.gla_chunk_size, seq_len))
 
 
+def hf_params(layout: str) -> list[tuple]:
+    """(HF tensor suffix in a layer, state sub-path, nin, aliases) of this layer's weights
+    (`ling2.convert.mapping.Entry`)."""
+    return [("attention.query_key_value.weight", ("attention", "qkv"), 1, ()),
+            ("attention.g_proj.weight", ("attention", "g_proj"), 1, ()),
+            ("attention.g_norm.weight", ("attention", "g_norm", "weight"), 0, ()),
+            ("attention.query_layernorm.weight", ("attention", "q_norm", "weight"), 0, ()),
+            ("attention.key_layernorm.weight", ("attention", "k_norm", "weight"), 0, ()),
+            ("attention.dense.weight", ("attention", "dense"), 2, ())]
+
+
 class GatedLinearAttention(nnx.Module):
     """Ling2 linear-attention layer. Call with x [B,T,E], positions [B,T], optional segment_ids [B,T]."""
 
@@ -89,42 +104,24 @@ class GatedLinearAttention(nnx.Module):
         self.dtype, self.chunk_size, self.backend = cfg.dtype, cfg.gla_chunk_size, cfg.gla_backend
         self.rules = sharding.rules_dict(cfg.logical_axis_rules)
 
-    def init_cache(self, batch: int):
-        """Decode cache: the fp32 recurrent state [B, H, D, D] (one document per row)."""
-        return {"state": jnp.zeros((batch, self.H, self.D, self.D), jnp.float32)}
-
     def _w(self, p):
         return p[...].astype(jnp.dtype(self.dtype))
 
     def _kernel(self, q, k, v, g, seg, h0):
         """simple_gla (h0 None: zero state, no state gradient); under a mesh inside shard_map with batch
-        and heads split (g per token, so every input is split the same way and its gradient stays local)."""
+        and heads split (g per head [H] or per token [B, T, H])."""
         def run(q, k, v, g, seg, *h0):
             return gla.simple_gla(q, k, v, g, segment_ids=seg, initial_state=h0[0] if h0 else None,
                                   chunk_size=self.chunk_size, backend=self.backend, return_final_state=True)
 
         state = () if h0 is None else (h0,)
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or mesh.size == 1:
-            return run(q, k, v, g, seg, *state)
-        spec = sharding.logical_to_spec(("activation_batch", None, "activation_heads", None), q.shape, self.rules, mesh)
-        bt, ht = spec[0], spec[2]
-        g = jnp.broadcast_to(g, q.shape[:3])
-        state_spec = P(bt, ht, None, None)
-        specs = (spec, spec, spec, P(bt, None, ht), P(bt, None)) + (state_spec,) * len(state)
-        # check_vma=False: Pallas kernels inside do not annotate how their outputs vary over the mesh.
-        return jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=(spec, state_spec), check_vma=False)(
+        g_names = ("activation_heads",) if g.ndim == 1 else ("activation_batch", None, "activation_heads")
+        names = (BTHD_KERNEL, BTHD_KERNEL, BTHD_KERNEL, g_names, ("activation_batch", None))
+        return sharding.shard_map_by_names(run, names + (BHKV,) * len(state), (BTHD_KERNEL, BHKV), self.rules)(
             q, k, v, g, seg, *state)
 
-    def __call__(self, x_BTE, positions_BT, segment_ids_BT=None, cache=None, log_decay=None, decode=None):
-        """Returns out [B,T,E] (and the updated cache when one is given).
-
-        `log_decay`: optional [H] log-decays replacing this layer's own constants (a scanned
-        decoder passes each layer's as a scanned-over value). With a cache, `decode` (a
-        `ling2.layers.decode.DecodeState`; None: prefill unless T == 1) picks the chunked kernel
-        from the cached state (prefill; segment ids reset it, so left padding never reaches a
-        row's document) or one recurrence step per token (decode)."""
-        B, T, _ = x_BTE.shape
+    def _qkv(self, x_BTE, positions_BT):
+        """(x in the compute dtype, q, k, v [B,T,H,D] with qk-norm and RoPE)."""
         x = x_BTE.astype(jnp.dtype(self.dtype))
         qkv = jnp.einsum("bte,eshd->btshd", x, self._w(self.qkv))
         if self.use_silu:
@@ -134,31 +131,76 @@ class GatedLinearAttention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope.apply_rotary(q, positions_BT, self.rotary_dim, inv_freq=self.inv_freq, scaling=self.rope_scaling)
         k = rope.apply_rotary(k, positions_BT, self.rotary_dim, inv_freq=self.inv_freq, scaling=self.rope_scaling)
-        names = ("activation_batch", "activation_length", "activation_heads", None)
-        q, k, v = (sharding.constrain(a, names) for a in (q, k, v))
-        g = jnp.asarray(self.log_decay if log_decay is None else log_decay, jnp.float32)
-        if segment_ids_BT is None:
-            segment_ids_BT = jnp.zeros((B, T), jnp.int32)
-        h0 = None if cache is None else cache["state"]
-        new = {}
-        if cache is not None and (T == 1 if decode is None else not decode.fresh):
-            o, states = [], []
-            hT = h0
-            for t in range(T):
-                o_t, hT = gla.simple_gla_step(hT, q[:, t], k[:, t], v[:, t], g)
-                o.append(o_t)
-                states.append(hT)
-            o = jnp.stack(o, axis=1)
-            if decode is not None and decode.token_states:
-                new["states"] = jnp.stack(states, axis=1)
-        else:
-            o, hT = self._kernel(q, k, v, g, segment_ids_BT, h0)
-            if decode is not None and decode.packed_docs:
-                new["doc_states"] = gla.segment_end_states(k, v, g, segment_ids_BT, decode.packed_docs)
-        o = sharding.constrain(o, names)
+        q, k, v = (sharding.constrain(a, BTHD) for a in (q, k, v))
+        return x, q, k, v
+
+    def _out(self, x, o_BTHD):
+        """Group norm, the output gate and the dense projection: [B,T,E]."""
+        B, T = o_BTHD.shape[:2]
+        o = sharding.constrain(o_BTHD, BTHD)
         o = self.g_norm(o.reshape(B, T, self.H * self.D)).reshape(B, T, self.H, self.D)
         gate = jax.nn.sigmoid(jnp.einsum("bte,ehd->bthd", x, self._w(self.g_proj)).astype(jnp.float32))
         o = (o.astype(jnp.float32) * gate).astype(x.dtype)
         out = jnp.einsum("bthd,hde->bte", o, self._w(self.dense))
-        out = sharding.constrain(out, ("activation_batch", "activation_length", "activation_embed"))
-        return out if cache is None else (out, {"state": hT, **new})
+        return sharding.constrain(out, ("activation_batch", "activation_length", "activation_embed"))
+
+    def _decay(self, log_decay=None):
+        return jnp.asarray(self.log_decay if log_decay is None else log_decay, jnp.float32)
+
+    def __call__(self, x_BTE, positions_BT, segment_ids_BT=None, log_decay=None):
+        """Training forward: out [B,T,E], the state restarting at every segment.
+
+        `log_decay`: optional [H] log-decays replacing this layer's own constants (a scanned
+        decoder passes each layer's as a scanned-over value)."""
+        B, T, _ = x_BTE.shape
+        x, q, k, v = self._qkv(x_BTE, positions_BT)
+        if segment_ids_BT is None:
+            segment_ids_BT = jnp.zeros((B, T), jnp.int32)
+        o, _ = self._kernel(q, k, v, self._decay(log_decay), segment_ids_BT, None)
+        return self._out(x, o)
+
+    # ---- cached decoding (ling2.layers.decode) ----
+
+    def init_cache(self, batch: int, max_len: int) -> "GLACache":
+        """The fp32 recurrent state [B, H, D, D] (one document per row; max_len is not needed)."""
+        return GLACache(jnp.zeros((batch, self.H, self.D, self.D), jnp.float32))
+
+    def prefill(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts):
+        """The chunked kernel from the cached state (segment ids reset it, so left padding never reaches a
+        row's document); with opts.packed_docs also each row's first documents' end states."""
+        x, q, k, v = self._qkv(x_BTE, positions_BT)
+        g = self._decay()
+        o, hT = self._kernel(q, k, v, g, segment_ids_BT, cache.state_BHKV)
+        docs = gla.segment_end_states(k, v, g, segment_ids_BT, opts.packed_docs) if opts.packed_docs else None
+        return self._out(x, o), GLACache(hT, docs_BNHKV=docs)
+
+    def step(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts):
+        """One recurrence step per new token; with opts.history also the state after each."""
+        T = x_BTE.shape[1]
+        x, q, k, v = self._qkv(x_BTE, positions_BT)
+        g = self._decay()
+        o, states, hT = [], [], cache.state_BHKV
+        for t in range(T):
+            o_t, hT = gla.simple_gla_step(hT, q[:, t], k[:, t], v[:, t], g)
+            o.append(o_t)
+            states.append(hT)
+        history = jnp.stack(states, axis=1) if opts.history else None
+        return self._out(x, jnp.stack(o, axis=1)), GLACache(hT, history_BTHKV=history)
+
+    def accept(self, old, new, keep_B, live_B):
+        """Each live row's state after its new token keep_B; other rows keep the old state."""
+        return GLACache(where_rows(live_B, take_rows(new.history_BTHKV, keep_B), old.state_BHKV))
+
+    def unpack(self, packed, empty, gather):
+        """Each prompt's state: the end state of its document in its packed row."""
+        return GLACache(packed.docs_BNHKV[gather.doc[:, 0], gather.doc[:, 1]])
+
+
+@struct.dataclass
+class GLACache:
+    """The fp32 recurrent state [B, H, D, D]; after a step with opts.history the state after every new token
+    [B, T, H, D, D]; after a prefill with opts.packed_docs each row's documents' end states [B, N, H, D, D]."""
+
+    state_BHKV: jax.Array
+    history_BTHKV: jax.Array | None = None
+    docs_BNHKV: jax.Array | None = None

@@ -14,12 +14,15 @@ from flax import nnx
 
 from ling2.config import load_config
 from ling2.kernels.testing import fla_reference
-from ling2.layers import sharding
+from ling2.layers import decode, sharding
 from ling2.layers.attention_gla import GatedLinearAttention, alibi_base_slopes, layer_slopes
 
 B, T = 2, 20
 _call = nnx.jit(lambda m, x, p, s=None: m(x, p, s))
-_call_cached = nnx.jit(lambda m, x, p, c: m(x, p, cache=c))
+_OPTS = decode.DecodeOptions()
+# GLA's prefill and step need no slot bookkeeping (the recurrent state is the whole cache).
+_prefill = nnx.jit(lambda m, x, p, c: m.prefill(x, p, jnp.ones(x.shape[:2], jnp.int32), c, None, _OPTS))
+_step = nnx.jit(lambda m, x, p, c: m.step(x, p, jnp.ones(x.shape[:2], jnp.int32), c, None, _OPTS))
 
 
 def _cfg(**overrides):
@@ -110,10 +113,10 @@ def test_prefill_then_decode_matches_full_sequence():
     layer = GatedLinearAttention(cfg, 3, rngs=nnx.Rngs(0))
     x, pos = _inputs(3, t=11)
     full = _call(layer, jnp.asarray(x), jnp.asarray(pos))
-    out, cache = _call_cached(layer, jnp.asarray(x[:, :8]), jnp.asarray(pos[:, :8]), layer.init_cache(B))
+    out, cache = _prefill(layer, jnp.asarray(x[:, :8]), jnp.asarray(pos[:, :8]), layer.init_cache(B, 16))
     outs = [out]
     for t in range(8, 11):
-        o_t, cache = _call_cached(layer, jnp.asarray(x[:, t:t + 1]), jnp.asarray(pos[:, t:t + 1]), cache)
+        o_t, cache = _step(layer, jnp.asarray(x[:, t:t + 1]), jnp.asarray(pos[:, t:t + 1]), cache)
         outs.append(o_t)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-5, atol=1e-6)
 

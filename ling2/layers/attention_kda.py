@@ -18,11 +18,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import PartitionSpec as P
+from flax import nnx, struct
 
 from ling2.kernels import kda
 from ling2.layers import norms, sharding
+from ling2.layers.decode import take_rows, where_rows
 
 L2_EPS = 1e-6  # the reference's q/k L2-norm eps, whatever rms_norm_eps is
 
@@ -85,6 +85,21 @@ def dt_bias_init(key, shape, dtype):
     return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
 
 
+def hf_params(layout: str) -> list[tuple]:
+    """(HF tensor suffix in a layer, state sub-path, nin, aliases[, reshape]) of this layer's weights
+    (`ling2.convert.mapping.Entry`); bailing_hybrid's on-disk names (transformers renames them only in memory)."""
+    a = "attention"
+    out = [(f"{a}.{p}.weight", ("attention", p), 1, ()) for p in ("q_proj", "k_proj", "v_proj")]
+    out += [(f"{a}.{p}_conv1d.weight", ("attention", f"{p}_conv"), 0, (), "conv") for p in "qkv"]
+    return out + [(f"{a}.f_proj.weight", ("attention", "f_proj"), 1, ()),
+                  (f"{a}.dt_bias", ("attention", "dt_bias"), 0, (), "flat"),
+                  (f"{a}.A_log", ("attention", "A_log"), 0, ()),
+                  (f"{a}.b_proj.weight", ("attention", "b_proj"), 1, ()),
+                  (f"{a}.g_proj.weight", ("attention", "g_proj"), 1, ()),
+                  (f"{a}.o_norm.weight", ("attention", "o_norm", "weight"), 0, ()),
+                  (f"{a}.dense.weight", ("attention", "dense"), 2, ())]
+
+
 class KimiDeltaAttention(nnx.Module):
     """Ling 3 linear-attention layer. Call with x [B,T,E], positions [B,T] (unused: no RoPE), optional
     segment_ids [B,T]."""
@@ -117,12 +132,6 @@ class KimiDeltaAttention(nnx.Module):
         self.dtype, self.chunk_size, self.backend = cfg.dtype, cfg.kda_chunk_size, cfg.kda_backend
         self.rules = sharding.rules_dict(cfg.logical_axis_rules)
 
-    def init_cache(self, batch: int):
-        """Decode cache: the last K-1 pre-conv [q | k | v] rows [B, K-1, 3, H, D] and the fp32 recurrent
-        state [B, H, D, D] (one document per row)."""
-        return {"conv": jnp.zeros((batch, self.K - 1, 3, self.H, self.D), jnp.dtype(self.dtype)),
-                "state": jnp.zeros((batch, self.H, self.D, self.D), jnp.float32)}
-
     def _w(self, p):
         return p[...].astype(jnp.dtype(self.dtype))
 
@@ -142,15 +151,10 @@ class KimiDeltaAttention(nnx.Module):
                            chunk_size=self.chunk_size, backend=self.backend, return_final_state=True)
 
         state = () if h0 is None else (h0,)
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or mesh.size == 1:
-            return run(q, k, v, g, beta, seg, *state)
-        spec = sharding.logical_to_spec(("activation_batch", None, "activation_heads", None), q.shape, self.rules, mesh)
-        bt, ht = spec[0], spec[2]
-        state_spec = P(bt, ht, None, None)
-        specs = (spec, spec, spec, spec, P(bt, None, ht), P(bt, None)) + (state_spec,) * len(state)
-        # check_vma=False: Pallas kernels inside do not annotate how their outputs vary over the mesh.
-        return jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=(spec, state_spec), check_vma=False)(
+        BTHD = ("activation_batch", None, "activation_heads", None)
+        BHKV = ("activation_batch", "activation_heads", None, None)
+        names = (BTHD, BTHD, BTHD, BTHD, ("activation_batch", None, "activation_heads"), ("activation_batch", None))
+        return sharding.shard_map_by_names(run, names + (BHKV,) * len(state), (BTHD, BHKV), self.rules)(
             q, k, v, g, beta, seg, *state)
 
     def _conv_weight(self):
@@ -158,65 +162,101 @@ class KimiDeltaAttention(nnx.Module):
         w = jnp.stack([self.q_conv[...], self.k_conv[...], self.v_conv[...]], axis=0)  # [3, H, D, K]
         return jnp.moveaxis(w, -1, 0)
 
-    def __call__(self, x_BTE, positions_BT=None, segment_ids_BT=None, cache=None, decode=None):
-        """Returns out [B,T,E] (and the updated cache when one is given).
-
-        With a cache, `decode` (a `ling2.layers.decode.DecodeState`; None: prefill unless T == 1)
-        picks the chunked kernel from the cached state (prefill: segment ids reset the conv window and
-        the state, so left padding never reaches a row's document) or one recurrence step per token
-        (decode; `token_states` also returns the state and conv window after every token)."""
+    def _project(self, x_BTE):
+        """(x in the compute dtype, the pre-conv [q | k | v] rows [B,T,3HD], the conv taps [K, 3HD])."""
         B, T, _ = x_BTE.shape
-        H, D, K = self.H, self.D, self.K
         x = x_BTE.astype(jnp.dtype(self.dtype))
         qkv = jnp.stack([jnp.einsum("bte,ehd->bthd", x, self._w(p)) for p in (self.q_proj, self.k_proj, self.v_proj)],
                         axis=2)  # [B, T, 3, H, D]
-        w = self._conv_weight().reshape(K, 3 * H * D)
-        flat = qkv.reshape(B, T, 3 * H * D)
-        if segment_ids_BT is None:
-            segment_ids_BT = jnp.ones((B, T), jnp.int32)
-        stepwise = cache is not None and (T == 1 if decode is None else not decode.fresh)
-        if decode is not None and decode.packed_docs:
-            raise ValueError("kda: packed prefill (packed_docs) is not supported; prefill one document per row")
-        if stepwise:  # continue the row's one document from its cached conv window
-            hist = cache["conv"].reshape(B, K - 1, 3 * H * D)
-            y = causal_conv(flat, w, history_BPC=hist)
-            rows = jnp.concatenate([hist.astype(flat.dtype), flat], axis=1)  # [B, K-1+T, C]
-        else:
-            y = causal_conv(flat, w, segment_ids_BT)
-            if cache is not None:  # the last K-1 rows of the last document (zeros before its start)
-                rows = jnp.pad(flat, ((0, 0), (K - 1, 0), (0, 0)))[:, -(K - 1):]
-                seg = jnp.pad(segment_ids_BT, ((0, 0), (K - 1, 0)), constant_values=-1)[:, -(K - 1):]
-                rows = jnp.where((seg == segment_ids_BT[:, -1:])[..., None], rows, 0)
-        y = jax.nn.silu(y).reshape(B, T, 3, H, D)
+        return x, qkv.reshape(B, T, 3 * self.H * self.D), self._conv_weight().reshape(self.K, -1)
+
+    def _mix_inputs(self, x, y_BTC):
+        """q, k (L2-normed), v [B,T,H,D] from the conv output, the gate g [B,T,H,D] and beta [B,T,H]."""
+        B, T, _ = y_BTC.shape
+        y = jax.nn.silu(y_BTC).reshape(B, T, 3, self.H, self.D)
         q, k, v = l2_normalize(y[:, :, 0]), l2_normalize(y[:, :, 1]), y[:, :, 2]
         names = ("activation_batch", "activation_length", "activation_heads", None)
         q, k, v = (sharding.constrain(a, names) for a in (q, k, v))
-        g = self.gate(x)
         beta = jax.nn.sigmoid(jnp.einsum("bte,eh->bth", x, self._w(self.b_proj)).astype(jnp.float32))
-        h0 = None if cache is None else cache["state"]
-        new = {}
-        if stepwise:
-            o, states = [], []
-            hT = h0
-            for t in range(T):
-                o_t, hT = kda.kda_step(hT, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
-                o.append(o_t)
-                states.append(hT)
-            o = jnp.stack(o, axis=1)
-            if decode is not None and decode.token_states:
-                new["states"] = jnp.stack(states, axis=1)
-                conv_dt = cache["conv"].dtype
-                new["convs"] = jnp.stack([rows[:, t + 1:t + K].reshape(B, K - 1, 3, H, D).astype(conv_dt)
-                                          for t in range(T)], axis=1)
-            rows = rows[:, -(K - 1):]
-        else:
-            o, hT = self._kernel(q, k, v, g, beta, segment_ids_BT, h0)
-        o = sharding.constrain(o, names)
+        return q, k, v, self.gate(x), beta
+
+    def _out(self, x, o_BTHD):
+        """Output norm, gate and dense projection: [B,T,E]."""
+        o = sharding.constrain(o_BTHD, ("activation_batch", "activation_length", "activation_heads", None))
         gate = jax.nn.sigmoid(jnp.einsum("bte,ehd->bthd", x, self._w(self.g_proj)).astype(jnp.float32))
         o = (self.o_norm(o.astype(jnp.float32)) * gate).astype(x.dtype)
         out = jnp.einsum("bthd,hde->bte", o, self._w(self.dense))
-        out = sharding.constrain(out, ("activation_batch", "activation_length", "activation_embed"))
-        if cache is None:
-            return out
-        conv = rows.reshape(B, K - 1, 3, H, D).astype(cache["conv"].dtype)
-        return out, {"conv": conv, "state": hT, **new}
+        return sharding.constrain(out, ("activation_batch", "activation_length", "activation_embed"))
+
+    def __call__(self, x_BTE, positions_BT=None, segment_ids_BT=None):
+        """Training forward: out [B,T,E], the conv window and the state restarting at every segment."""
+        B, T, _ = x_BTE.shape
+        if segment_ids_BT is None:
+            segment_ids_BT = jnp.ones((B, T), jnp.int32)
+        x, flat, w = self._project(x_BTE)
+        q, k, v, g, beta = self._mix_inputs(x, causal_conv(flat, w, segment_ids_BT))
+        o, _ = self._kernel(q, k, v, g, beta, segment_ids_BT, None)
+        return self._out(x, o)
+
+    # ---- cached decoding (ling2.layers.decode) ----
+
+    def init_cache(self, batch: int, max_len: int) -> "KDACache":
+        """The last K-1 pre-conv rows and the fp32 state, zero (one document per row; max_len is not needed)."""
+        return KDACache(jnp.zeros((batch, self.K - 1, 3, self.H, self.D), jnp.dtype(self.dtype)),
+                        jnp.zeros((batch, self.H, self.D, self.D), jnp.float32))
+
+    def prefill(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts):
+        """The chunked kernel from the cached state; segment ids reset the conv window and the state, so left
+        padding never reaches a row's document. Keeps the last K-1 rows of each row's last document."""
+        if opts.packed_docs:
+            raise ValueError("kda: packed prefill (packed_docs) is not supported; prefill one document per row")
+        B, K = x_BTE.shape[0], self.K
+        x, flat, w = self._project(x_BTE)
+        q, k, v, g, beta = self._mix_inputs(x, causal_conv(flat, w, segment_ids_BT))
+        o, hT = self._kernel(q, k, v, g, beta, segment_ids_BT, cache.state_BHKV)
+        rows = jnp.pad(flat, ((0, 0), (K - 1, 0), (0, 0)))[:, -(K - 1):]  # zeros before its start
+        seg = jnp.pad(segment_ids_BT, ((0, 0), (K - 1, 0)), constant_values=-1)[:, -(K - 1):]
+        rows = jnp.where((seg == segment_ids_BT[:, -1:])[..., None], rows, 0)
+        conv = rows.reshape(B, K - 1, 3, self.H, self.D).astype(cache.conv_BPCHD.dtype)
+        return self._out(x, o), KDACache(conv, hT)
+
+    def step(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts):
+        """One recurrence step per new token, continuing the row's document from its cached conv window;
+        with opts.history also the conv window and state after each."""
+        B, T, _ = x_BTE.shape
+        H, D, K = self.H, self.D, self.K
+        x, flat, w = self._project(x_BTE)
+        hist = cache.conv_BPCHD.reshape(B, K - 1, 3 * H * D)
+        q, k, v, g, beta = self._mix_inputs(x, causal_conv(flat, w, history_BPC=hist))
+        rows = jnp.concatenate([hist.astype(flat.dtype), flat], axis=1)  # [B, K-1+T, C]
+        o, states, hT = [], [], cache.state_BHKV
+        for t in range(T):
+            o_t, hT = kda.kda_step(hT, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+            o.append(o_t)
+            states.append(hT)
+        conv_dt = cache.conv_BPCHD.dtype
+        window = lambda r: r.reshape(B, K - 1, 3, H, D).astype(conv_dt)  # noqa: E731
+        new = KDACache(window(rows[:, -(K - 1):]), hT)
+        if opts.history:
+            new = new.replace(history_conv_BTPCHD=jnp.stack([window(rows[:, t + 1:t + K]) for t in range(T)], axis=1),
+                              history_state_BTHKV=jnp.stack(states, axis=1))
+        return self._out(x, jnp.stack(o, axis=1)), new
+
+    def accept(self, old, new, keep_B, live_B):
+        """Each live row's conv window and state after its new token keep_B; other rows keep the old ones."""
+        return KDACache(where_rows(live_B, take_rows(new.history_conv_BTPCHD, keep_B), old.conv_BPCHD),
+                        where_rows(live_B, take_rows(new.history_state_BTHKV, keep_B), old.state_BHKV))
+
+    def unpack(self, packed, empty, gather):
+        raise ValueError("kda: packed prefill is not supported; prefill one document per row")
+
+
+@struct.dataclass
+class KDACache:
+    """The last K-1 pre-conv [q | k | v] rows [B, K-1, 3, H, D] (the short conv's window) and the fp32 state
+    [B, H, D, D]; after a step with opts.history both after every new token ([B, T, ...])."""
+
+    conv_BPCHD: jax.Array
+    state_BHKV: jax.Array
+    history_conv_BTPCHD: jax.Array | None = None
+    history_state_BTHKV: jax.Array | None = None

@@ -16,11 +16,14 @@ from ling2.config import load_config
 from ling2.kernels.testing import fla_reference
 from ling2.layers import sharding
 from ling2.layers.attention_kda import KimiDeltaAttention
-from ling2.layers.decode import DecodeState
+from ling2.layers.decode import DecodeOptions
 
 B, T = 2, 20
 _call = nnx.jit(lambda m, x, s=None: m(x, None, s))
-_call_cached = nnx.jit(lambda m, x, c: m(x, None, cache=c))
+# KDA's prefill and step need no slot bookkeeping (conv window and state are the whole cache).
+_step = nnx.jit(lambda m, x, c, history=False: m.step(x, None, jnp.ones(x.shape[:2], jnp.int32), c, None,
+                                                     DecodeOptions(history=history)), static_argnames="history")
+_prefill = nnx.jit(lambda m, x, s, c: m.prefill(x, None, s, c, None, DecodeOptions()))
 
 
 def _cfg(**overrides):
@@ -118,26 +121,27 @@ def test_prefill_then_decode_matches_full_sequence():
     pad = 3
     xp = np.concatenate([np.random.default_rng(9).standard_normal((B, pad, 128)).astype(np.float32), x[:, :2]], 1)
     seg = jnp.asarray([[0] * pad + [1, 1]] * B)
-    def run(fresh):
-        state = lambda: DecodeState(jnp.zeros((B,), jnp.int32), jnp.zeros((B, 16), jnp.int32), fresh=fresh,  # noqa
-                                    token_states=not fresh)
-        return nnx.jit(lambda m, x, s, c: m(x, None, s, cache=c, decode=state()))
-
-    out, cache = run(True)(layer, jnp.asarray(xp), seg, layer.init_cache(B))  # prompt shorter than the conv
+    out, cache = _prefill(layer, jnp.asarray(xp), seg, layer.init_cache(B, 16))  # prompt shorter than the conv
     outs = [out[:, pad:]]
-    out, cache = run(False)(layer, jnp.asarray(x[:, 2:8]), jnp.ones((B, 6), jnp.int32), cache)
+    before = cache
+    out, cache = _step(layer, jnp.asarray(x[:, 2:8]), cache, history=True)
     outs.append(out)
-    states, convs = cache["states"], cache["convs"]
-    cache = {"conv": cache["conv"], "state": cache["state"]}
-    np.testing.assert_allclose(states[:, -1], cache["state"])
-    np.testing.assert_allclose(convs[:, -1], cache["conv"])
+    np.testing.assert_allclose(cache.history_state_BTHKV[:, -1], cache.state_BHKV)
+    np.testing.assert_allclose(cache.history_conv_BTPCHD[:, -1], cache.conv_BPCHD)
+    stepped = cache
+    cache = cache.replace(history_conv_BTPCHD=None, history_state_BTHKV=None)
     for t in range(8, 11):
-        o_t, cache = _call_cached(layer, jnp.asarray(x[:, t:t + 1]), cache)
+        o_t, cache = _step(layer, jnp.asarray(x[:, t:t + 1]), cache)
         outs.append(o_t)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-5, atol=1e-5)
-    # rolling back to token 4 of the continuation (what speculative decoding does) and stepping on
-    back = {"conv": convs[:, 3], "state": states[:, 3]}
-    o6, _ = _call_cached(layer, jnp.asarray(x[:, 6:7]), back)
+    # rolling back to token 4 of the continuation (what speculative decoding does) and stepping on; a row
+    # that is not live keeps the cache from before the continuation
+    live = jnp.asarray([True] * (B - 1) + [False])
+    back = layer.accept(before, stepped, jnp.full((B,), 3, jnp.int32), live)
+    np.testing.assert_array_equal(back.state_BHKV[-1], before.state_BHKV[-1])
+    o6, _ = _step(layer, jnp.asarray(x[:, 6:7]), back)
+    o6 = o6[:B - 1]
+    full = full[:B - 1]
     np.testing.assert_allclose(o6, full[:, 6:7], rtol=1e-5, atol=1e-5)
 
 

@@ -14,10 +14,11 @@ other). Backends (cfg.attention_kernel): "dot_product" (plain einsum, the refere
 causal half of the work and of the [T, S] buffers; the default, and the CPU choice),
 "cudnn" (cuDNN's fused flash attention when lowered for CUDA and the head dims fit, else "blocked"),
 "flash" (Pallas splash attention when lowered for TPU, even from a CPU host; interpret mode
-elsewhere, for tests only; decode with a cache uses the plain path). Decode keeps a latent KV cache
-(normed c_kv and rotated k_rope per slot, `ling2.layers.decode`) and attends in the absorbed form: q_nope mapped into the latent
-space by kv_b's key half, scores and the weighted sum taken against the latents, then kv_b's
-value half (`MLA.absorbed`); writing past the cache's end turns the output into NaN.
+elsewhere, for tests only; decoding steps use the plain path). Decoding (`ling2.layers.decode`'s
+interface) keeps a latent KV cache (`MLACache`: normed c_kv and rotated k_rope per slot) and
+steps in the absorbed form: q_nope mapped into the latent space by kv_b's key half, scores and
+the weighted sum taken against the latents, then kv_b's value half (`MLA.absorbed`); writing
+past the cache's end turns the output into NaN.
 """
 
 import functools
@@ -25,11 +26,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from ling2.layers import norms, rope, yarn
 from ling2.layers.decode import attention_mask as decode_mask
-from ling2.layers.decode import overflow_to_nan, write_rows
+from ling2.layers.decode import move_slots, overflow_to_nan, write_rows
 from ling2.layers.sharding import constrain
 
 # The reference's q_a_layernorm / kv_a_layernorm use eps 1e-6 whatever the config says.
@@ -157,10 +158,26 @@ def mixing_flops(cfg, seq_len: int) -> float:
     return 2 * cfg.num_query_heads * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len / 2
 
 
+def hf_params(layout: str) -> list[tuple]:
+    """(HF tensor suffix in a layer, state sub-path, nin, aliases) of this layer's weights
+    (`ling2.convert.mapping.Entry`), in the bailing (`attention.*`) or DeepSeek-V3 (`self_attn.*`) layout."""
+    a, out = ("self_attn", "o_proj") if layout == "deepseek_v3" else ("attention", "dense")
+    return [(f"{a}.q_a_proj.weight", ("attention", "q_a"), 1, ()),
+            (f"{a}.q_a_layernorm.weight", ("attention", "q_a_norm", "weight"), 0, ()),
+            (f"{a}.q_b_proj.weight", ("attention", "q_b"), 1, ()),
+            (f"{a}.q_proj.weight", ("attention", "q"), 1, ()),
+            (f"{a}.kv_a_proj_with_mqa.weight", ("attention", "kv_a"), 1, ()),
+            (f"{a}.kv_a_layernorm.weight", ("attention", "kv_a_norm", "weight"), 0, ()),
+            (f"{a}.kv_b_proj.weight", ("attention", "kv_b"), 1, ()),
+            (f"{a}.{out}.weight", ("attention", "dense"), 2, ()),
+            (f"{a}.g_proj.weight", ("attention", "g_proj"), 1, ())]
+
+
 class MLA(nnx.Module):
     """Multi-head latent attention. Call with x [B,T,E], positions/segment_ids [B,T]."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, layer_idx: int = 0, *, rngs: nnx.Rngs):
+        """layer_idx: unused (MLA layers are alike); the registry builds every kind the same way."""
         E, H = cfg.emb_dim, cfg.num_query_heads
         self.H, self.Dn, self.Dr, self.Dv = H, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.Rq, self.Rkv = cfg.q_lora_rank, cfg.kv_lora_rank
@@ -191,12 +208,6 @@ class MLA(nnx.Module):
         self.inv_freq = tuple(float(f) for f in yarn.rope_inv_freq(cfg))
         self.rope_scaling = yarn.rope_attention_scaling(cfg)
         self.scale = yarn.mla_softmax_scale(cfg)
-
-    def init_cache(self, batch: int, max_len: int):
-        """Empty latent cache: normed c_kv [B,S,kv_lora] and rotated k_rope [B,S,rope] per slot (the
-        slot bookkeeping is `ling2.layers.decode`'s)."""
-        dt = jnp.dtype(self.dtype)
-        return {"c_kv": jnp.zeros((batch, max_len, self.Rkv), dt), "k_rope": jnp.zeros((batch, max_len, self.Dr), dt)}
 
     def _w(self, p):
         return p[...].astype(jnp.dtype(self.dtype))
@@ -264,37 +275,75 @@ class MLA(nnx.Module):
             return dot_product_attention(q_BTHK, k_BSHK, v_BSHV, mask_BTS, self.scale)
         raise ValueError(f"attention_kernel: unknown {kernel!r}")
 
-    def __call__(self, x_BTE, positions_BT, segment_ids_BT=None, cache=None, decode=None):
-        """Returns out [B,T,E] (and the updated cache when one is given).
-
-        With a cache, `decode` (a `ling2.layers.decode.DecodeState`) says where the new tokens go:
-        a fresh prefill attends among the new tokens with the configured kernel and stores their
-        latents; later calls store theirs and attend to every visible slot, absorbed or expanded."""
-        B, T, _ = x_BTE.shape
-        q_BTHK, c_kv, k_rope = self.project(x_BTE, positions_BT)
-        if segment_ids_BT is None:
-            segment_ids_BT = jnp.ones((B, T), jnp.int32)
-        if cache is not None:
-            cache = {"c_kv": write_rows(cache["c_kv"], c_kv, decode.index_B),
-                     "k_rope": write_rows(cache["k_rope"], k_rope, decode.index_B)}
-        if cache is None or decode.fresh:
-            k_BSHK, v_BSHV = self.expand(c_kv, k_rope)
-            o_BTHV = self._attend(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT)
-        else:
-            mask = decode_mask(decode, segment_ids_BT)
-            c_all, r_all = cache["c_kv"].astype(q_BTHK.dtype), cache["k_rope"].astype(q_BTHK.dtype)
-            if decode.absorb:
-                o_BTHV = self.absorbed(q_BTHK, c_all, r_all, mask)
-            else:
-                k_BSHK, v_BSHV = self.expand(c_all, r_all)
-                o_BTHV = self._attend(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, mask)
+    def _out(self, x_BTE, o_BTHV):
+        """The output gate (Ling 3) and the dense projection: [B,T,E]."""
         o_BTHV = constrain(o_BTHV, ("activation_batch", "activation_length", "activation_heads", None))
         if self.output_gate:
             x = x_BTE.astype(jnp.dtype(self.dtype))
             gate = jax.nn.sigmoid(jnp.einsum("bte,eh->bth", x, self._w(self.g_proj)).astype(jnp.float32))
             o_BTHV = (o_BTHV.astype(jnp.float32) * gate[..., None]).astype(o_BTHV.dtype)
         out = jnp.einsum("bthv,hve->bte", o_BTHV, self._w(self.dense))
-        out = constrain(out, ("activation_batch", "activation_length", "activation_embed"))
-        if cache is None:
-            return out
-        return overflow_to_nan(out, decode, T, cache["c_kv"].shape[1]), cache
+        return constrain(out, ("activation_batch", "activation_length", "activation_embed"))
+
+    def __call__(self, x_BTE, positions_BT, segment_ids_BT=None):
+        """Training forward: out [B,T,E], causal within each segment."""
+        B, T, _ = x_BTE.shape
+        q_BTHK, c_kv, k_rope = self.project(x_BTE, positions_BT)
+        if segment_ids_BT is None:
+            segment_ids_BT = jnp.ones((B, T), jnp.int32)
+        k_BSHK, v_BSHV = self.expand(c_kv, k_rope)
+        return self._out(x_BTE, self._attend(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT))
+
+    # ---- cached decoding (ling2.layers.decode) ----
+
+    def init_cache(self, batch: int, max_len: int) -> "MLACache":
+        """Empty latent cache of max_len slots per row."""
+        dt = jnp.dtype(self.dtype)
+        return MLACache(jnp.zeros((batch, max_len, self.Rkv), dt), jnp.zeros((batch, max_len, self.Dr), dt))
+
+    def _write(self, cache, c_kv, k_rope, state):
+        return MLACache(write_rows(cache.c_kv_BSC, c_kv, state.index_B),
+                        write_rows(cache.k_rope_BSR, k_rope, state.index_B))
+
+    def prefill(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts):
+        """Rows with empty caches: the configured kernel among the new tokens; their latents are stored."""
+        T = x_BTE.shape[1]
+        q_BTHK, c_kv, k_rope = self.project(x_BTE, positions_BT)
+        cache = self._write(cache, c_kv, k_rope, state)
+        k_BSHK, v_BSHV = self.expand(c_kv, k_rope)
+        out = self._out(x_BTE, self._attend(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT))
+        return overflow_to_nan(out, state, T, cache.c_kv_BSC.shape[1]), cache
+
+    def step(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts):
+        """New tokens against every visible slot (theirs included), absorbed (opts.absorb) or expanded."""
+        T = x_BTE.shape[1]
+        q_BTHK, c_kv, k_rope = self.project(x_BTE, positions_BT)
+        cache = self._write(cache, c_kv, k_rope, state)
+        mask = decode_mask(state, segment_ids_BT)
+        c_all, r_all = cache.c_kv_BSC.astype(q_BTHK.dtype), cache.k_rope_BSR.astype(q_BTHK.dtype)
+        if opts.absorb:
+            o_BTHV = self.absorbed(q_BTHK, c_all, r_all, mask)
+        else:
+            k_BSHK, v_BSHV = self.expand(c_all, r_all)
+            o_BTHV = self._attend(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, mask)
+        return overflow_to_nan(self._out(x_BTE, o_BTHV), state, T, cache.c_kv_BSC.shape[1]), cache
+
+    def accept(self, old, new, keep_B, live_B):
+        """Slots past a row's kept tokens are stale and never read (the decoder moves its index back)."""
+        return new
+
+    def unpack(self, packed, empty, gather):
+        """Each padded slot's latents from its packed slot."""
+        T = gather.row.shape[1]
+        L = packed.c_kv_BSC.shape[1]
+        put = lambda e, x: e.at[:, :T].set(move_slots(x[:, :L], gather))  # noqa: E731
+        return MLACache(put(empty.c_kv_BSC, packed.c_kv_BSC), put(empty.k_rope_BSR, packed.k_rope_BSR))
+
+
+@struct.dataclass
+class MLACache:
+    """Latent KV cache: normed c_kv [B,S,kv_lora] and rotated k_rope [B,S,rope] per slot (the slot
+    bookkeeping is `ling2.layers.decode`'s)."""
+
+    c_kv_BSC: jax.Array
+    k_rope_BSR: jax.Array

@@ -124,9 +124,11 @@ def test_blocked_layer_matches_float64_reference():
                                rtol=2e-4, atol=2e-5)
 
 
-def _cached(m, x, pos, shared, layer_cache, **flags):
-    state = decode.begin(shared, jnp.ones(x.shape[:2], jnp.int32), **flags)
-    out, layer_cache = m(jnp.asarray(x), jnp.asarray(pos), cache=layer_cache, decode=state)
+def _cached(m, mode, x, pos, shared, layer_cache, absorb):
+    seg = jnp.ones(x.shape[:2], jnp.int32)
+    state = decode.begin(shared, seg)
+    call = getattr(m, mode)
+    out, layer_cache = call(jnp.asarray(x), jnp.asarray(pos), seg, layer_cache, state, decode.DecodeOptions(absorb))
     return np.asarray(out), decode.end(state, x.shape[1], None), layer_cache
 
 
@@ -137,15 +139,16 @@ def test_kv_cache_decode_matches_full_forward(absorb):
     x, pos, _ = inputs(cfg, B=2, T=9)
     pos = np.broadcast_to(np.arange(9), (2, 9))
     full = np.asarray(m(jnp.asarray(x), jnp.asarray(pos)))
-    shared, cache = decode.empty(2, 16), m.init_cache(2, 16)
-    out, shared, cache = _cached(m, x[:, :4], pos[:, :4], shared, cache, fresh=True, absorb=absorb)  # prefill 4
+    cache = m.init_cache(2, 16)
+    shared = decode.empty(2, 16, None)
+    out, shared, cache = _cached(m, "prefill", x[:, :4], pos[:, :4], shared, cache, absorb)  # prefill 4
     steps = [out]
     for t in range(4, 9):
-        out, shared, cache = _cached(m, x[:, t:t + 1], pos[:, t:t + 1], shared, cache, absorb=absorb)
+        out, shared, cache = _cached(m, "step", x[:, t:t + 1], pos[:, t:t + 1], shared, cache, absorb)
         steps.append(out)
-    assert np.asarray(shared["index"]).tolist() == [9, 9]
+    assert np.asarray(shared.index).tolist() == [9, 9]
     np.testing.assert_allclose(np.concatenate(steps, 1), full, rtol=1e-4, atol=1e-5)
-    over, *_ = _cached(m, x, pos, shared, cache, absorb=absorb)  # 9 more tokens do not fit in 16 slots
+    over, *_ = _cached(m, "step", x, pos, shared, cache, absorb)  # 9 more tokens do not fit in 16 slots
     assert np.isnan(over).all()
 
 

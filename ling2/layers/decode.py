@@ -1,36 +1,58 @@
-"""Decode caches: the bookkeeping every cached layer shares.
+"""Cached decoding: the interface every attention kind implements, and the bookkeeping they share.
 
-A cache of B rows and S slots holds, besides each layer's own tensors (MLA: the latent
-c_kv and k_rope per slot; GLA: the recurrent state),
+Training runs `layer(x, positions, segment_ids)` and nothing here. Decoding is separate, per
+attention kind, over a typed cache pytree defined beside the module (MLACache, GLACache, KDACache):
+  init_cache(batch, max_len)                          -> an empty cache of the kind
+  prefill(x, positions, segment_ids, cache, state, opts) -> (out, cache)  fresh rows: attend among the new tokens
+  step(x, positions, segment_ids, cache, state, opts)    -> (out, cache)  continue every row from its cache
+  accept(old, new, keep_B, live_B)                    -> cache  after a step with opts.history: each live
+                                                          row as after its token keep_B (speculative rollback)
+  unpack(packed, empty, gather)                       -> cache  documents of packed rows moved to rows of their own
+
+A decoder cache (`DecoderCache`) of B rows and S slots holds, besides each layer's cache,
   index   [B] int32: the slot the next token of each row goes to (rows advance independently);
   segment [B,S] int32: the document id held by each slot, 0 for empty or padding.
 A call with T new tokens writes them to slots index..index+T-1 of their row. A query at slot
 s sees the slots <= s that hold its own segment id, so left padding (segment 0), packed
 documents (distinct ids) and stale slots past `index` (always in a query's future, and
 overwritten before they are read) are never attended to. Rolling a row back (speculative
-decoding) is only moving its `index` back (and restoring its GLA states).
+decoding) is moving its `index` back and `accept`ing each layer's state.
 """
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 
 class DecodeState(NamedTuple):
-    """What a layer needs to know about one cached call (built by `begin`)."""
+    """Where one cached call's tokens go (built by `begin`)."""
 
     index_B: jax.Array  # [B] int32 slot of each row's first new token
     segment_BS: jax.Array  # [B,S] int32 segment id of every slot after this call's write
-    fresh: bool = False  # the rows' caches are empty: attend among the new tokens only (prefill)
-    absorb: bool = True  # MLA: attention in the latent space (else K/V expanded from the latents)
-    token_states: bool = False  # GLA: also return the state after every new token [B,T,H,K,V]
-    packed_docs: int = 0  # GLA, fresh prefill: also return each row's first N documents' end states
 
 
-def empty(batch: int, max_len: int) -> dict:
-    """The shared part of an empty cache: {"index": [B], "segment": [B,S]}."""
-    return {"index": jnp.zeros((batch,), jnp.int32), "segment": jnp.zeros((batch, max_len), jnp.int32)}
+class DecodeOptions(NamedTuple):
+    """What a cached call asks of the layers (each kind reads what applies to it)."""
+
+    absorb: bool = True  # MLA step: attention in the latent space (else K/V expanded from the latents)
+    history: bool = False  # recurrent step: keep the state after every new token, for `accept`
+    packed_docs: int = 0  # GLA prefill: also keep each row's first N documents' end states, for `unpack`
+
+
+@struct.dataclass
+class DecoderCache:
+    """A decoder's cache: the shared bookkeeping and {layer index: the layer's cache}; an MTP depth's holds its
+    one layer's cache as `layers`."""
+
+    index: jax.Array  # [B] int32
+    segment: jax.Array  # [B, S] int32
+    layers: Any
+
+
+def empty(batch: int, max_len: int, layers: dict) -> DecoderCache:
+    return DecoderCache(jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, max_len), jnp.int32), layers)
 
 
 def write_rows(buf_BS_, new_BT_, index_B):
@@ -39,14 +61,14 @@ def write_rows(buf_BS_, new_BT_, index_B):
     return jax.vmap(put)(buf_BS_, new_BT_, index_B)
 
 
-def begin(cache: dict, segment_ids_BT, **flags) -> DecodeState:
-    """The DecodeState of a call writing segment_ids_BT [B,T] (nonzero for real tokens) at cache["index"]."""
-    return DecodeState(cache["index"], write_rows(cache["segment"], segment_ids_BT, cache["index"]), **flags)
+def begin(cache: DecoderCache, segment_ids_BT) -> DecodeState:
+    """The DecodeState of a call writing segment_ids_BT [B,T] (nonzero for real tokens) at cache.index."""
+    return DecodeState(cache.index, write_rows(cache.segment, segment_ids_BT, cache.index))
 
 
-def end(state: DecodeState, T: int, layers: dict) -> dict:
+def end(state: DecodeState, T: int, layers: dict) -> DecoderCache:
     """The cache after a call of T tokens whose layers returned `layers`."""
-    return {"index": state.index_B + T, "segment": state.segment_BS, "layers": layers}
+    return DecoderCache(state.index_B + T, state.segment_BS, layers)
 
 
 def attention_mask(state: DecodeState, segment_ids_BT) -> jax.Array:
@@ -64,10 +86,27 @@ def overflow_to_nan(out_BT_, state: DecodeState, T: int, S: int):
     return jnp.where(ok.reshape((-1,) + (1,) * (out_BT_.ndim - 1)), out_BT_, jnp.nan)
 
 
-def rollback(cache: dict, index_B, gla_states: Optional[dict] = None) -> dict:
-    """`cache` with each row's next slot moved to index_B and, for every GLA layer i in gla_states,
-    its state replaced by gla_states[i] [B,H,K,V]."""
-    layers = dict(cache["layers"])
-    for i, s in (gla_states or {}).items():
-        layers[i] = {**layers[i], "state": s}
-    return {**cache, "index": index_B, "layers": layers}
+def take_rows(x_BT_, i_B):
+    """x[b, i[b]] for every row."""
+    return jnp.take_along_axis(x_BT_, i_B.reshape((-1, 1) + (1,) * (x_BT_.ndim - 2)), axis=1)[:, 0]
+
+
+def where_rows(live_B, new_B_, old_B_):
+    """new where the row is live, else old (any trailing dims)."""
+    return jnp.where(live_B.reshape((-1,) + (1,) * (new_B_.ndim - 1)), new_B_, old_B_)
+
+
+class Gather(NamedTuple):
+    """Where each slot of the padded layout [B, T] takes its values from in packed rows [R, L]:
+    `row`, `col` (-1: padding) and each prompt's packed row and document number `doc` [B, 2]."""
+
+    row: jax.Array
+    col: jax.Array
+    doc: jax.Array
+
+
+def move_slots(x_RL_, g: Gather):
+    """[B, T, ...] values of packed slots placed at the padded layout's slots (zeros for padding)."""
+    valid = g.row >= 0
+    y = x_RL_[jnp.maximum(g.row, 0), jnp.maximum(g.col, 0)]
+    return jnp.where(valid.reshape(valid.shape + (1,) * (y.ndim - 2)), y, 0)

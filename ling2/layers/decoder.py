@@ -2,7 +2,8 @@
 
 Each layer is pre-norm: x += attn(norm(x)); x += mlp(norm(x)), its attention and MLP kinds
 and its place in the state given by the layer plan (`ling2.layers.plan`). Attention
-modules are looked up by kind in `ATTENTION`.
+modules are looked up by kind in `ling2.layers.attention.ATTENTION`. Calling the decoder is the training forward;
+`init_cache` / `decode` / `accept` / `unpack` are cached decoding (`ling2.layers.decode`).
 
 With `scan_layers`, the plan's scanned groups keep their parameters stacked on a leading
 "layers" axis and run under one `lax.scan`; the prefix and suffix run one by one. GLA slopes
@@ -22,9 +23,8 @@ from flax import nnx
 from ling2.config import DecoderBlockType
 from ling2.layers import decode as decode_lib
 from ling2.layers import losses, norms
-from ling2.layers.attention_gla import GatedLinearAttention, layer_slopes
-from ling2.layers.attention_kda import KimiDeltaAttention
-from ling2.layers.attention_mla import MLA
+from ling2.layers.attention import ATTENTION
+from ling2.layers.attention_gla import layer_slopes
 from ling2.layers.embed import Embed, LMHead
 from ling2.layers.moe import MoE
 from ling2.layers.moe_experts import Mlp
@@ -32,13 +32,7 @@ from ling2.layers.plan import LayerSpec, layer_plan
 from ling2.layers.sharding import constrain, dim_shards
 
 ACT = ("activation_batch", "activation_length", "activation_embed")
-
-# Attention kind (cfg.layer_types) -> module(cfg, layer index, rngs=...).
-ATTENTION = {
-    "gla": lambda cfg, i, rngs: GatedLinearAttention(cfg, i, rngs=rngs),
-    "kda": lambda cfg, i, rngs: KimiDeltaAttention(cfg, i, rngs=rngs),
-    "mla": lambda cfg, i, rngs: MLA(cfg, rngs=rngs),
-}
+MODES = ("prefill", "step")  # cached decoding (ling2.layers.decode)
 
 
 class DecoderOutput(NamedTuple):
@@ -57,7 +51,7 @@ class DecoderLayer(nnx.Module):
         self.input_norm = norms.RMSNorm(cfg.emb_dim, eps=eps, param_dtype=wdt)
         if spec.attn not in ATTENTION:
             raise ValueError(f"layer {spec.index}: unknown attention type {spec.attn!r} (known: {sorted(ATTENTION)})")
-        self.attention = ATTENTION[spec.attn](cfg, spec.index, rngs)
+        self.attention = ATTENTION[spec.attn].module(cfg, spec.index, rngs=rngs)
         self.post_attention_norm = norms.RMSNorm(cfg.emb_dim, eps=eps, param_dtype=wdt)
         if spec.mlp == "dense":
             self.mlp = Mlp(cfg, cfg.mlp_dim, rngs=rngs)
@@ -66,29 +60,40 @@ class DecoderLayer(nnx.Module):
         else:
             raise ValueError(f"layer {spec.index}: unknown mlp type {spec.mlp!r}")
 
-    def init_cache(self, batch: int, max_len: int):
-        if self.attn_type == "mla":
-            return self.attention.init_cache(batch, max_len)
-        return self.attention.init_cache(batch)
-
-    def __call__(self, x_BTE, positions_BT, segment_ids_BT, valid_BT=None, cache=None, log_decay=None, decode=None):
-        """Returns (x [B,T,E], MoEAux or None), plus the new attention cache when `cache` is given.
-
-        `log_decay`: a GLA layer's [H] log-decays when they are traced values (scanned groups).
-        `decode`: the cached call's `ling2.layers.decode.DecodeState`."""
-        extra = {} if log_decay is None else {"log_decay": log_decay}
-        if decode is not None:
-            extra["decode"] = decode
-        a = self.attention(self.input_norm(x_BTE), positions_BT, segment_ids_BT, cache=cache, **extra)
-        a, cache = a if cache is not None else (a, None)
+    def _block(self, x_BTE, attend, valid_BT):
+        """x + attend(norm(x)), then the MLP: (x [B,T,E], MoEAux or None)."""
+        a = attend(self.input_norm(x_BTE))
         h = constrain(x_BTE + a.astype(x_BTE.dtype), ACT)
         aux = None
         if self.mlp_type == "moe":
             y, aux = self.mlp(self.post_attention_norm(h), valid_BT)
         else:
             y = self.mlp(self.post_attention_norm(h))
-        out = constrain(h + y.astype(h.dtype), ACT)
-        return (out, aux) if cache is None else (out, aux, cache)
+        return constrain(h + y.astype(h.dtype), ACT), aux
+
+    def __call__(self, x_BTE, positions_BT, segment_ids_BT, valid_BT=None, log_decay=None):
+        """Training forward: (x [B,T,E], MoEAux or None). `log_decay`: a GLA layer's [H] log-decays when they
+        are traced values (scanned groups)."""
+        extra = {} if log_decay is None else {"log_decay": log_decay}
+        return self._block(x_BTE, lambda h: self.attention(h, positions_BT, segment_ids_BT, **extra), valid_BT)
+
+    def init_cache(self, batch: int, max_len: int):
+        return self.attention.init_cache(batch, max_len)
+
+    def decode(self, mode: str, x_BTE, positions_BT, segment_ids_BT, valid_BT, cache, state, opts):
+        """A cached call (`ling2.layers.decode`): mode "prefill" or "step" of the attention kind. Returns
+        (x [B,T,E], MoEAux or None, the attention's new cache)."""
+        if mode not in MODES:
+            raise ValueError(f"decode mode {mode!r}: expected one of {MODES}")
+        new = []
+
+        def attend(h):
+            a, c = getattr(self.attention, mode)(h, positions_BT, segment_ids_BT, cache, state, opts)
+            new.append(c)
+            return a
+
+        x, aux = self._block(x_BTE, attend, valid_BT)
+        return x, aux, new[0]
 
 
 class LayerGroup(nnx.Module):
@@ -193,30 +198,45 @@ class Ling2Decoder(nnx.Module):
                     out.append((p + g * k + j, layer))
         return out + [(p + n * k + j, layer) for j, layer in enumerate(self.suffix)]
 
-    def init_cache(self, batch: int, max_len: int) -> dict:
-        """An empty decode cache of `max_len` slots per row (`ling2.layers.decode`): "index", "segment"
-        and "layers" {layer index: MLA latents of every slot, or GLA recurrent state}."""
+    def init_cache(self, batch: int, max_len: int) -> decode_lib.DecoderCache:
+        """An empty decode cache of `max_len` slots per row (`ling2.layers.decode`), with every layer's own."""
         layers = {i: layer.init_cache(batch, max_len) for i, layer in self.layer_list()}
-        return {**decode_lib.empty(batch, max_len), "layers": layers}
+        return decode_lib.empty(batch, max_len, layers)
 
-    def decode(self, ids_BT, positions_BT, cache: dict, segment_ids_BT=None, return_logits: bool = True,
-               **flags):
-        """Runs T new tokens per row against `cache`, written from each row's cache index on.
-
-        segment_ids_BT: document ids (default 1; 0 marks padding that nothing attends to).
-        flags: `ling2.layers.decode.DecodeState`'s fresh (prefill into empty rows), absorb,
-        token_states, packed_docs. Returns (DecoderOutput, new cache). Scanned models run their
-        layers one by one here.
-        """
+    def decode(self, mode: str, ids_BT, positions_BT, cache: decode_lib.DecoderCache, segment_ids_BT=None,
+               return_logits: bool = True, opts: decode_lib.DecodeOptions = decode_lib.DecodeOptions()):
+        """Runs T new tokens per row against `cache`, written from each row's cache index on: mode "prefill"
+        (rows with empty caches) or "step" (continue every row). segment_ids_BT: document ids (default 1; 0
+        marks padding that nothing attends to). Returns (DecoderOutput, new cache). Scanned models run their
+        layers one by one here."""
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones(ids_BT.shape, jnp.int32)
-        state = decode_lib.begin(cache, segment_ids_BT, **flags)
+        state = decode_lib.begin(cache, segment_ids_BT)
         x = self.embed(ids_BT)
         aux, new = {}, {}
         for i, layer in self.layer_list():
-            x, aux[i], new[i] = layer(x, positions_BT, segment_ids_BT, segment_ids_BT != 0,
-                                      cache=cache["layers"][i], decode=state)
+            x, aux[i], new[i] = layer.decode(mode, x, positions_BT, segment_ids_BT, segment_ids_BT != 0,
+                                             cache.layers[i], state, opts)
         return self._head(x, aux, return_logits), decode_lib.end(state, ids_BT.shape[1], new)
+
+    def accept(self, old: decode_lib.DecoderCache, new: decode_lib.DecoderCache, keep_B, live_B):
+        """The cache after a "step" with opts.history of which each live row keeps its new tokens 0..keep_B
+        (speculative decoding's accepted drafts): its index moves past them and every layer is as after token
+        keep_B; rows not live are left as in `old`."""
+        index = old.index + jnp.where(live_B, keep_B + 1, 0)
+        layers = {i: layer.attention.accept(old.layers[i], new.layers[i], keep_B, live_B)
+                  for i, layer in self.layer_list()}
+        return decode_lib.DecoderCache(index, new.segment, layers)
+
+    def unpack(self, packed: decode_lib.DecoderCache, gather: decode_lib.Gather, max_len: int):
+        """A cache of one prompt per row in the padded layout [B, T] of `gather`, from a "prefill" of packed rows
+        with opts.packed_docs: every layer's values moved to the prompts' rows and slots."""
+        B, T = gather.row.shape
+        empty = self.init_cache(B, max_len)
+        layers = {i: layer.attention.unpack(packed.layers[i], empty.layers[i], gather)
+                  for i, layer in self.layer_list()}
+        segment = empty.segment.at[:, :T].set((gather.row >= 0).astype(jnp.int32))
+        return decode_lib.DecoderCache(jnp.full((B,), T, jnp.int32), segment, layers)
 
     def logits(self, hidden_BTE):
         """Output logits [B, T, V] of final-normed hidden states."""

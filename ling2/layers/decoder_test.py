@@ -203,13 +203,13 @@ def test_decode_with_cache_matches_full_forward(both):
     stacked layers are sliced; GLA uses its recurrent state, MLA its latent KV cache)."""
     _, models, res = both
     m = models[True]
-    step = nnx.jit(lambda m, ids, pos, cache: m.decode(ids, pos, cache))
+    step = nnx.jit(lambda m, mode, ids, pos, cache: m.decode(mode, ids, pos, cache), static_argnames="mode")
     row = ROWS[2:3, :10]  # document 1 alone, positions 0..9
     pos = jnp.arange(10, dtype=jnp.int32)[None]
-    out, cache = step(m, row[:, :6], pos[:, :6], m.init_cache(1, 16))
+    out, cache = step(m, "prefill", row[:, :6], pos[:, :6], m.init_cache(1, 16))
     logits = [np.asarray(out.logits)]
     for t in range(6, 10):
-        out, cache = step(m, row[:, t:t + 1], pos[:, t:t + 1], cache)
+        out, cache = step(m, "step", row[:, t:t + 1], pos[:, t:t + 1], cache)
         logits.append(np.asarray(out.logits))
     ref = np.asarray(res[True][0][1].logits)[2:3, :10]
     np.testing.assert_allclose(np.concatenate(logits, 1), ref, rtol=1e-4, atol=1e-5)

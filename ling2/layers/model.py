@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 
 from ling2.config import Config
-from ling2.layers import attention_gla, attention_kda, attention_mla, moe
+from ling2.layers import moe
+from ling2.layers.attention import ATTENTION
 from ling2.layers.decoder import DecoderOutput, build_decoder
 from ling2.layers.embed import Embed
 from ling2.layers.moe import bias_update
@@ -27,10 +28,6 @@ from ling2.layers.moe_router import RoutedBias
 from ling2.layers.mtp import MTP, MTPOutput
 from ling2.layers.norms import GroupRMSNorm, RMSNorm
 from ling2.layers.plan import layer_plan
-
-
-# Attention kind -> the module holding its FLOP count (matmul_params, mixing_flops).
-ATTENTION_FLOPS = {"gla": attention_gla, "kda": attention_kda, "mla": attention_mla}
 
 
 class LossSums(NamedTuple):
@@ -154,7 +151,7 @@ def training_flops_per_token(cfg, seq_len: int | None = None) -> float:
     S = seq_len or cfg.max_target_length
     weights = heads = mixing = 0.0
     for spec in layer_plan(cfg).all():
-        attn = ATTENTION_FLOPS[spec.attn]
+        attn = ATTENTION[spec.attn]
         weights += attn.matmul_params(cfg)
         weights += 3 * cfg.emb_dim * cfg.mlp_dim if spec.mlp == "dense" else moe.matmul_params(cfg, active=True)
         mixing += attn.mixing_flops(cfg, S)

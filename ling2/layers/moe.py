@@ -6,7 +6,7 @@ Experts (ling2.layers.moe_experts): dropless sort + grouped matmul (`sparse_matm
 most E assignments, as in decoding, each token's experts' weights gathered instead), or the
 dense one-hot path with `capacity_factor`. Under a mesh whose `expert` axis is > 1
 (`jax.set_mesh`, e.g. ling2.layers.sharding.use_mesh) the dropless path runs expert
-parallel (ling2.layers.moe_ep).
+parallel (ling2.layers.moe_ep). `dispatch_path` is the one place that decides which.
 
 Everything the trainer needs comes back in `MoEAux`; nothing is sown or kept globally.
 """
@@ -58,6 +58,37 @@ def matmul_params(cfg, active: bool = True) -> int:
     return E * N + experts * 3 * E * F + 3 * E * cfg.shared_experts * cfg.shared_expert_dim
 
 
+PATHS = ("dense_capacity", "expert_parallel", "gathered", "per_device", "partitioned")
+
+
+def dispatch_path(*, sparse_matmul: bool, gmm: str, mesh_shape: dict, tokens: int, k: int, num_experts: int) -> str:
+    """Where the routed experts run, from the config, the mesh's axis sizes ({} without a mesh) and the call's
+    sizes (one of PATHS):
+      dense_capacity: sparse_matmul off: the one-hot dispatch with capacity_factor (drops over capacity);
+      expert_parallel: an `expert` mesh axis > 1: experts sharded over it, rows moved by all-to-all (moe_ep);
+      gathered: decode-sized (tokens * k <= experts): each token's chosen experts' weights gathered;
+      per_device: several devices and no tensor axis: the grouped matmul per device in shard_map (as a
+        Pallas kernel must run: XLA cannot partition one);
+      partitioned: one device, or tensor-parallel experts: the grouped matmul partitioned by XLA, so
+        moe_gmm_backend=megablox is refused there."""
+    devices = 1
+    for size in mesh_shape.values():
+        devices *= size
+    if not sparse_matmul:
+        return "dense_capacity"
+    if mesh_shape.get("expert", 1) > 1:
+        return "expert_parallel"
+    if tokens * k <= num_experts:
+        return "gathered"
+    if devices > 1 and mesh_shape.get("tensor", 1) == 1:
+        return "per_device"
+    if devices > 1 and gmm == "megablox":
+        raise ValueError("moe_gmm_backend=megablox: a tensor-parallel mesh without expert parallelism partitions "
+                         "the experts by XLA, which cannot partition a Pallas kernel; use auto, ragged_dot, or "
+                         "ici_expert_parallelism > 1")
+    return "partitioned"
+
+
 class MoE(nnx.Module):
     """Routed + shared SwiGLU experts. x_BSD -> (y_BSD, MoEAux).
 
@@ -99,22 +130,21 @@ class MoE(nnx.Module):
         gmm = self.gmm
         experts_BSK, weights_BSK = r.experts_TK.reshape(B, S, K), r.weights_TK.reshape(B, S, K)
         mesh = jax.sharding.get_abstract_mesh()
-        if not cfg.sparse_matmul:
+        mesh_shape = {} if mesh.empty else dict(mesh.shape)
+        path = dispatch_path(sparse_matmul=cfg.sparse_matmul, gmm=gmm, mesh_shape=mesh_shape, tokens=T, k=K,
+                             num_experts=E)
+        if path == "dense_capacity":
             y_BSD, kept_BSK = moe_experts.dense_capacity(x_BSD, experts_BSK, weights_BSK, w, cfg.capacity_factor)
             dropped_BSK = ~kept_BSK if valid_BS is None else ~kept_BSK & valid_BS.astype(bool)[..., None]
             stats["dropped"] = dropped_BSK.astype(F32).sum()
-        elif moe_ep.expert_axis_size(mesh) > 1:
+        elif path in ("expert_parallel", "per_device"):
             y_BSD = moe_ep.dropless_ep(x_BSD, experts_BSK, weights_BSK, w, mesh=mesh, rules=cfg.logical_axis_rules,
                                        gmm=gmm)
-        elif T * K <= E:  # decode-sized: gathering the chosen experts reads fewer weights than a grouped matmul
+        elif path == "gathered":
             y_BSD = moe_experts.gathered(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w).reshape(B, S, D)
-        elif not mesh.empty and mesh.size > 1 and mesh.shape.get("tensor", 1) == 1:
-            # per-device grouped matmul: XLA cannot partition a Pallas kernel (megablox)
-            y_BSD = moe_ep.dropless_ep(x_BSD, experts_BSK, weights_BSK, w, mesh=mesh, rules=cfg.logical_axis_rules,
-                                       gmm=gmm)
-        else:  # one device, or tensor-parallel experts partitioned by XLA
+        else:
             y_BSD = moe_experts.dropless(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w, gmm,
-                                         partitioned=not mesh.empty and mesh.size > 1).reshape(B, S, D)
+                                         partitioned=bool(mesh_shape) and mesh.size > 1).reshape(B, S, D)
         if self.shared_experts is not None:
             y_BSD = y_BSD + self.shared_experts(x_BSD)
         return y_BSD, MoEAux(lb_loss=lb_loss, z_loss=z_loss, counts=counts_E, stats=stats)

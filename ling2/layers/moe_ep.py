@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ling2.layers import moe_experts as X
+from ling2.layers import sharding
 from ling2.layers.moe_gmm import gather_rows, grouped_ffn
 
 
@@ -83,16 +84,12 @@ def dropless_ep(x_BSD, experts_BSK, weights_BSK, w, *, mesh, rules, gmm: str):
     if n > 1 and "expert" not in axes:
         raise ValueError(f"expert parallelism needs the batch ({x_BSD.shape[0]}) sharded over 'expert' by the "
                          f"activation_batch rule; it shards over {axes}")
-    bspec = P(axes)
-    wspec = P("expert")
 
     def body(x, e, g, wg, wu, wd):
         b, s, _ = x.shape
         y = _local(x.reshape(b * s, -1), e.reshape(b * s, -1), g.reshape(b * s, -1), (wg, wu, wd), n=n, gmm=gmm)
         return y.reshape(x.shape)
 
-    # check_vma=False: Pallas kernels (megablox) cannot state how their outputs vary over manual
-    # axes; the weights' gradients are then summed over the batch axes by shard_map's transpose.
-    f = jax.shard_map(body, mesh=mesh, in_specs=(bspec, bspec, bspec, wspec, wspec, wspec), out_specs=bspec,
-                      check_vma=False)
+    BSD, EXP = ("activation_batch", None, None), P("expert")  # _local needs exactly the expert axis's shards
+    f = sharding.shard_map_by_names(body, (BSD, BSD, BSD, EXP, EXP, EXP), BSD, rules, mesh=mesh)
     return f(x_BSD, experts_BSK, weights_BSK, *w)

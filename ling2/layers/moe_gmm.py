@@ -227,12 +227,8 @@ def ffn_megablox(x_MD, group_sizes_E, wg, wu, wd, *, interpret: bool = False):
 
 def grouped_ffn(x_MD, group_sizes_E, w, gmm: str = "auto", *, partitioned: bool = False):
     """Grouped SwiGLU of rows sorted by expert with weights w = (wg, wu, wd) by backend `gmm` (GMMS).
-    `partitioned`: XLA partitions this call (a tensor-parallel mesh without expert parallelism;
-    elsewhere the MoE calls it per device in shard_map), so no Pallas kernel may run."""
-    if partitioned and gmm == "megablox":
-        raise ValueError("moe_gmm_backend=megablox: a tensor-parallel mesh without expert parallelism partitions "
-                         "the experts by XLA, which cannot partition a Pallas kernel; use auto, ragged_dot, or "
-                         "ici_expert_parallelism > 1")
+    `partitioned`: XLA partitions this call (moe.dispatch_path's "partitioned"), so "auto" takes no Pallas
+    kernel."""
     if gmm == "auto":
         mosaic = not partitioned and megablox_tile(x_MD.shape[1], w[2].shape[1])
         tpu = ffn_megablox if mosaic else ffn_ragged_dot

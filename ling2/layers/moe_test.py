@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from ling2.config import load_config
-from ling2.layers import moe_experts, moe_gmm, moe_router
+from ling2.layers import moe, moe_experts, moe_gmm, moe_router
 from ling2.layers.moe import MoE, MoEAux, bias_update
 from ling2.layers.moe_router import RoutedBias
 
@@ -436,3 +436,26 @@ def test_layer_grads_dropless_equal_dense_path():
     np.testing.assert_allclose(grads[0][1], grads[1][1], rtol=1e-4, atol=1e-6)
     for (path, a), (_, b) in zip(nnx.to_flat_state(grads[0][0]), nnx.to_flat_state(grads[1][0])):
         np.testing.assert_allclose(a[...], b[...], rtol=1e-4, atol=1e-6, err_msg=str(path))
+
+
+@pytest.mark.parametrize("sparse, gmm, mesh_shape, tokens, want", [
+    (False, "auto", {}, 4096, "dense_capacity"),
+    (False, "auto", {"data": 2, "expert": 4}, 4096, "dense_capacity"),  # the config's choice wins
+    (True, "auto", {"data": 2, "expert": 4}, 4096, "expert_parallel"),
+    (True, "auto", {"data": 2, "expert": 4}, 2, "expert_parallel"),  # sharded experts even when decode-sized
+    (True, "auto", {}, 8, "gathered"),  # 8 tokens x 8 experts each <= 64 experts
+    (True, "auto", {}, 9, "partitioned"),
+    (True, "megablox", {}, 4096, "partitioned"),  # one device: nothing to partition
+    (True, "megablox", {"data": 8, "expert": 1, "tensor": 1}, 4096, "per_device"),
+    (True, "auto", {"data": 4, "expert": 1, "tensor": 2}, 4096, "partitioned"),
+    (True, "auto", {"data": 1, "expert": 1, "tensor": 1}, 4096, "partitioned"),  # a mesh of one device
+])
+def test_dispatch_path_table(sparse, gmm, mesh_shape, tokens, want):
+    assert moe.dispatch_path(sparse_matmul=sparse, gmm=gmm, mesh_shape=mesh_shape, tokens=tokens, k=8,
+                             num_experts=64) == want
+
+
+def test_dispatch_path_refuses_megablox_partitioned_by_xla():
+    with pytest.raises(ValueError, match="megablox: a tensor-parallel mesh without expert parallelism"):
+        moe.dispatch_path(sparse_matmul=True, gmm="megablox", mesh_shape={"data": 4, "expert": 1, "tensor": 2},
+                          tokens=4096, k=8, num_experts=64)

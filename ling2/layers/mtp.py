@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ling2.layers import decode as decode_lib
 from ling2.layers import losses, norms
 from ling2.layers.decoder import DecoderLayer, DecoderOutput, remat
 from ling2.layers.plan import LayerSpec, layer_plan
@@ -98,17 +99,21 @@ class MTPDepth(nnx.Module):
         self.final_norm = norms.RMSNorm(E, eps=eps, param_dtype=wdt)
         self.dtype = cfg.dtype
 
-    def __call__(self, emb_BTE, h_BTE, positions_BT, segment_ids_BT, valid_BT, cache=None, decode=None):
-        """Returns (block output before the final norm, after it, MoEAux), all [B,T,E] but the aux,
-        plus the layer's new cache when `cache` is given (`decode`: its DecodeState)."""
+    def _input(self, emb_BTE, h_BTE):
         x = jnp.concatenate([self.enorm(emb_BTE), self.hnorm(h_BTE.astype(emb_BTE.dtype))], axis=-1)
         w = self.eh_proj[...].astype(jnp.dtype(self.dtype))
-        x = jnp.einsum("btf,fe->bte", x.astype(w.dtype), w)
-        if cache is not None:
-            y, aux, cache = self.layer(x, positions_BT, segment_ids_BT, valid_BT, cache=cache, decode=decode)
-            return y, self.final_norm(y), aux, cache
-        y, aux = self.layer(x, positions_BT, segment_ids_BT, valid_BT)
+        return jnp.einsum("btf,fe->bte", x.astype(w.dtype), w)
+
+    def __call__(self, emb_BTE, h_BTE, positions_BT, segment_ids_BT, valid_BT):
+        """Training forward: (block output before the final norm, after it, MoEAux), all [B,T,E] but the aux."""
+        y, aux = self.layer(self._input(emb_BTE, h_BTE), positions_BT, segment_ids_BT, valid_BT)
         return y, self.final_norm(y), aux
+
+    def decode(self, mode: str, emb_BTE, h_BTE, positions_BT, segment_ids_BT, valid_BT, cache, state, opts):
+        """A cached call of the depth's layer (`DecoderLayer.decode`): (y, y normed, MoEAux, the layer's cache)."""
+        y, aux, cache = self.layer.decode(mode, self._input(emb_BTE, h_BTE), positions_BT, segment_ids_BT, valid_BT,
+                                          cache, state, opts)
+        return y, self.final_norm(y), aux, cache
 
 
 class MTP(nnx.Module):
@@ -164,3 +169,20 @@ class MTP(nnx.Module):
                 all_logits.append(logits)
         return MTPOutput(ce_sum=jnp.stack(sums), ce_count=jnp.stack(counts), correct=jnp.stack(corrects),
                          moe_aux=moe_aux, logits=tuple(all_logits) if return_logits else None)
+
+    # ---- cached decoding (speculative drafts; ling2.layers.decode) ----
+
+    def init_cache(self, k: int, batch: int, max_len: int) -> decode_lib.DecoderCache:
+        """Depth k's (1-based) empty cache; its `layers` is the depth's one layer cache."""
+        return decode_lib.empty(batch, max_len, self.depths[k - 1].layer.init_cache(batch, max_len))
+
+    def decode(self, k: int, mode: str, decoder, ids_BT, h_BTE, positions_BT, segment_ids_BT,
+               cache: decode_lib.DecoderCache, opts: decode_lib.DecodeOptions):
+        """Depth k (1-based) on `ids_BT`, the tokens k ahead of each position, and `h_BTE`, depth k-1's hidden
+        state (the main model's for k = 1). Returns (the hidden state depth k+1 consumes, y normed [B,T,E] for
+        the output head, new cache)."""
+        state = decode_lib.begin(cache, segment_ids_BT)
+        y, y_normed, _, layer_cache = self.depths[k - 1].decode(
+            mode, decoder.embed(ids_BT), h_BTE, positions_BT, segment_ids_BT, segment_ids_BT != 0, cache.layers,
+            state, opts)
+        return (y if self.pre_norm else y_normed), y_normed, decode_lib.end(state, ids_BT.shape[1], layer_cache)

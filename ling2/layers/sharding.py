@@ -64,6 +64,43 @@ def dim_shards(name: str, size: int) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
+def shard_map_by_names(f, in_names, out_names, rules, *, mesh=None):
+    """f run per device in `jax.shard_map` over `mesh` (default: the ambient one), every argument and output
+    split by its logical axis names through `rules` (cfg.logical_axis_rules or `rules_dict`'s form): one tuple
+    per array, e.g. ("activation_batch", None, "activation_heads", None), or a PartitionSpec of mesh axes
+    taken as is. out_names is one entry (f returns an array) or a tuple of them (f returns a tuple). A name
+    splits the same way wherever it appears (decided on the arguments, whose dims must agree). Without a
+    mesh, or on one device, f itself. check_vma=False: Pallas kernels inside cannot state how their outputs
+    vary over the mesh; an argument replicated over split axes has its gradient summed over them by
+    shard_map's transpose."""
+
+    def call(*args):
+        m = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+        if m.empty or m.size == 1:
+            return f(*args)
+        r = rules if isinstance(rules, dict) else rules_dict(rules)
+        axes = {}
+        for names, x in zip(in_names, args):
+            if isinstance(names, PartitionSpec):
+                continue
+            for name, ax in zip(names, logical_to_spec(names, x.shape, r, m)):
+                if name is not None and axes.setdefault(name, ax) != ax:
+                    raise ValueError(f"shard_map_by_names: logical axis {name!r} splits as {axes[name]} on one "
+                                     f"argument and {ax} on another (dims of different sizes)")
+
+        def spec(names):
+            if isinstance(names, PartitionSpec):
+                return names
+            return PartitionSpec(*(None if n is None else axes[n] for n in names))
+
+        several = all(isinstance(n, (tuple, PartitionSpec)) for n in out_names)
+        out_specs = tuple(spec(n) for n in out_names) if several else spec(out_names)
+        return jax.shard_map(f, mesh=m, in_specs=tuple(spec(n) for n in in_names), out_specs=out_specs,
+                             check_vma=False)(*args)
+
+    return call
+
+
 def constrain(x, names):
     """with_sharding_constraint by logical names, inside `use_mesh`; identity outside."""
     active = _ACTIVE.get()

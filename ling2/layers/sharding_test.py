@@ -41,3 +41,26 @@ def test_constrain_is_identity_outside_and_shards_inside():
         y = jax.jit(lambda x: sharding.constrain(x * 2, ("activation_batch", "mlp")))(x)
     assert y.sharding.spec == P(("fsdp", "expert"), "tensor")
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x) * 2)
+
+
+def test_shard_map_by_names_splits_each_name_one_way_and_matches_one_device():
+    """Per-device shapes seen inside, and the result against the same function on whole arrays."""
+    m = mesh(data=2, tensor=4)
+    seen = []
+
+    def f(x_BTH, g_H, w):
+        seen.append((x_BTH.shape, g_H.shape, w.shape))
+        return x_BTH * g_H + w.sum(), jnp.sum(x_BTH, axis=1)
+
+    r = np.random.default_rng(0)
+    x, g, w = (jnp.asarray(r.normal(size=s), jnp.float32) for s in [(4, 3, 8), (8,), (2, 5)])
+    names = (("activation_batch", None, "heads"), ("heads",), P())
+    out_names = (("activation_batch", None, "heads"), ("activation_batch", "heads"))
+    with jax.set_mesh(m):
+        got = jax.jit(sharding.shard_map_by_names(f, names, out_names, RULES))(x, g, w)
+    assert seen[-1] == ((2, 3, 2), (2,), (2, 5))  # batch over data (2), heads over tensor (4), w whole
+    for a, b in zip(got, f(x, g, w)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    assert sharding.shard_map_by_names(f, names, out_names, RULES)(x, g, w)[1].shape == (4, 8)  # no mesh: f itself
+    with jax.set_mesh(m), pytest.raises(ValueError, match="'heads' splits as tensor on one argument and None"):
+        sharding.shard_map_by_names(f, names, out_names, RULES)(x, jnp.ones((3,)), w)

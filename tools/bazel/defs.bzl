@@ -20,13 +20,14 @@ _PLATFORMS = ("cpu", "tpu", "cuda", "ling3")
 
 def ling2_py_tests(deps, srcs = None, data = [], size = "medium", sizes = {}, devices = {}, tags = {},
                    platforms = {}, **kwargs):
-    """One `ling2_py_test` per test file (default: every *_test.py of the package), named after it.
+    """One `ling2_py_test` per test file (default: every *_test.py of the package), named after it (a file in
+    a subfolder by its path with `_` for `/`: gla/op_test.py is `gla_op_test`).
 
     `sizes`, `devices`, `tags` and `platforms` map a test name to its own value; `size` is everyone
     else's. A file `*_tpu_compile_test.py` / `*_cuda_compile_test.py` is a test of that platform's
     venv; `platforms` names others (e.g. "ling3": the test-only transformers 5.x venv)."""
     for src in (srcs if srcs != None else native.glob(["*_test.py"])):
-        name = src[:-len(".py")]
+        name = src[:-len(".py")].replace("/", "_")
         platform = platforms.get(name, "cpu")
         for p in _PLATFORMS:
             if name.endswith("_%s_compile_test" % p):

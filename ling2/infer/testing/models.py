@@ -53,7 +53,7 @@ def oracle_drafts(plain_ids, n, wrong):
     for b, r in enumerate(plain_ids):
         table[b, :len(r)] = r
 
-    def draft(model, c, W, s, key, absorb):
+    def draft(model, c, W, s, key, opts):
         K = len(c.mtp)
         B = c.last.shape[0]
         j = jnp.arange(1, K + 1)

@@ -88,11 +88,12 @@ def _ling2_runner(op, backend, mode, x):
 def _kda_prologue_runner(x):
     """KDA forward's state-independent part alone (padding, chunking, the batched XLA prologue and the
     sweep operands of kda_pallas_gpu): the part outside the Triton sweeps."""
-    from ling2.kernels import kda, kda_pallas_gpu
+    from ling2.kernels import kda, layout
+    from ling2.kernels.kda import pallas_gpu as kda_pallas_gpu
 
     def f(q, k, v, g, beta):
         C = 64
-        args = [kda.prepare(t, C) for t in (q, k, v, g)] + [kda.prepare_beta(beta, C)]
+        args = [layout.prepare(t, C) for t in (q, k, v, g)] + [kda.prepare_beta(beta, C)]
         aux = kda.prepare_docs(jnp.zeros(q.shape[:2], jnp.int32), C)
         return kda_pallas_gpu._sweep_inputs(*args, aux, q.shape[-1] ** -0.5, C)[2]
 
@@ -101,7 +102,8 @@ def _kda_prologue_runner(x):
 
 def _with_block_v(op, bv, make):
     """make() with the Pallas GPU kernels' state columns per program set to bv while it traces."""
-    from ling2.kernels import gla_pallas_gpu, kda_pallas_gpu
+    from ling2.kernels.gla import pallas_gpu as gla_pallas_gpu
+    from ling2.kernels.kda import pallas_gpu as kda_pallas_gpu
 
     mod = {"gla": gla_pallas_gpu, "kda": kda_pallas_gpu}[op]
 

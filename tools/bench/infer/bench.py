@@ -32,6 +32,7 @@ from ling2.config import load_config
 from ling2.config.paths import user_path
 from ling2.infer import generation
 from ling2.infer.load import INFER_OVERRIDES, find_file, load_model
+from ling2.layers.decode import DecodeOptions, DecoderCache
 from ling2.layers.model import Ling2Model
 from ling2.layers.plan import layer_plan
 
@@ -75,8 +76,8 @@ def bench_small(args, log) -> dict:
         B, T = ids.shape
         pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         cache = m.decoder.init_cache(B, T)
-        o, cache = m.decoder.decode(ids, pos, cache, return_logits=False, fresh=True)
-        return m.decoder.logits(o.hidden[:, -1:]), cache["index"]
+        o, cache = m.decoder.decode("prefill", ids, pos, cache, return_logits=False)
+        return m.decoder.logits(o.hidden[:, -1:]), cache.index
 
     for C in args.contexts:
         ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, C)), jnp.int32)
@@ -89,21 +90,21 @@ def bench_small(args, log) -> dict:
         @jax.jit
         def make(key):
             cache = model.decoder.init_cache(B, S)
-            layers = {i: {k: jax.random.normal(jax.random.fold_in(key, i), v.shape, v.dtype) * 0.1
-                          for k, v in lc.items()} for i, lc in cache["layers"].items()}
+            layers = {i: jax.tree.map(lambda v: jax.random.normal(jax.random.fold_in(key, i), v.shape, v.dtype) * 0.1,
+                                      lc) for i, lc in cache.layers.items()}
             seg = jnp.broadcast_to(jnp.arange(S)[None] < C, (B, S)).astype(jnp.int32)
-            return {"index": jnp.full((B,), C, jnp.int32), "segment": seg, "layers": layers}
+            return DecoderCache(jnp.full((B,), C, jnp.int32), seg, layers)
         return make(jax.random.PRNGKey(2))
 
     def decode_fn(absorb, steps):
         @jax.jit
         def run(state, cache, key):
             m = nnx.merge(gd, state)
-            B = cache["index"].shape[0]
+            B = cache.index.shape[0]
             z = jnp.zeros((B,), jnp.int32)
             loop = generation.Loop(cache, jnp.zeros((B, steps + 2), jnp.int32), jnp.ones((B,), jnp.int32), z + 5,
-                                   cache["index"], jnp.zeros((B,), bool), jnp.zeros((), jnp.int32), key)
-            res = generation._decode_loop(m, loop, steps + 1, generation.Sampling(), (), absorb)
+                                   cache.index, jnp.zeros((B,), bool), jnp.zeros((), jnp.int32), key)
+            res = generation._decode_loop(m, loop, steps + 1, generation.Sampling(), (), DecodeOptions(absorb))
             return res.tokens, res.step
         return run
 

@@ -1,6 +1,6 @@
 """Pallas TPU and GPU kernels, run with interpret=True on CPU, against the naive recurrence.
 
-Reference: gla_reference.naive_recurrence (a plain per-token scan; autodiff gradients).
+Reference: reference.naive_recurrence (a plain per-token scan; autodiff gradients).
 Forward and backward (dq, dk, dv, dg, d initial state), with packed segments, T not a
 multiple of the chunk, per-token g, bf16, and head dims that are not powers of two.
 """
@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ling2.kernels import gla, gla_pallas_gpu
+from ling2.kernels import gla
+from ling2.kernels.gla import pallas_gpu as gla_pallas_gpu
 
 B, H = 1, 2
 
@@ -85,10 +86,10 @@ def test_pallas_gpu_rejects_non_power_of_two_chunk():
         gla.simple_gla(x, x, x, jnp.zeros((1,)), chunk_size=24, backend="pallas_gpu", interpret=True)
 
 
-@pytest.mark.parametrize("backend, platform, marker", [("pallas_gpu", "cuda", "triton"),
-                                                       ("pallas_tpu", "tpu", "tpu_custom_call"),
-                                                       ("auto", "cuda", "triton"),
-                                                       ("auto", "tpu", "tpu_custom_call")])
+@pytest.mark.parametrize("backend, platform, marker", [("pallas_gpu", "cuda", "custom_call @__gpu$xla.gpu.triton"),
+                                                       ("pallas_tpu", "tpu", "custom_call @tpu_custom_call"),
+                                                       ("auto", "cuda", "custom_call @__gpu$xla.gpu.triton"),
+                                                       ("auto", "tpu", "custom_call @tpu_custom_call")])
 @pytest.mark.parametrize("T, D, dtype", [(1088, 128, jnp.bfloat16), (100, 24, jnp.float32)])
 def test_kernels_lower_for_real_hardware(backend, platform, marker, T, D, dtype):
     """Without interpret mode, forward and backward lower through Triton / Mosaic to three kernel calls;

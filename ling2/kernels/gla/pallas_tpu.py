@@ -9,7 +9,7 @@ The per-token fp32 factors (b, doc, alpha, w) of a chunk come as one lane-dense 
 [B, H, N, 8, C] (4 zero rows pad it to the 8 sublanes of a vreg). The kernel transposes the
 tile for the column views it needs. (A [B, H, T, 1] column would be padded to 128 lanes in
 HBM: 128x the bytes of the factor and of its reads.)
-Math as in gla_chunked; D_ij = e^{b_i - b_j} masked (before exp) to j <= i, same document.
+Math as in chunked.py; D_ij = e^{b_i - b_j} masked (before exp) to j <= i, same document.
 Kernel refs hold one chunk of one head: q, k, dq, dk [C, K]; v, do, o, dv [C, V]; fac [8, C];
 the states h0, hT, S, G and their gradients [K, V].
 Axes in names: B batch, H heads, T time (padded), N chunks, C chunk size, K key dim, V value dim.

@@ -8,7 +8,7 @@ partial that is summed outside.
   forward: o and the final state (forward sweep).
   dq:      forward sweep recomputing the states.
   dk, dv:  reverse sweep carrying G = dL/d(state), which ends as d(initial state).
-Per-token factors (b, doc, alpha, w) are [B, H, T] fp32 vectors, see gla_chunked.
+Per-token factors (b, doc, alpha, w) are [B, H, T] fp32 vectors, see chunked.py.
 Triton needs power-of-two block shapes: K and V are zero-padded up to one (exact, the
 padding adds zero terms) and the chunk size must be a power of two >= 16.
 Kernel refs hold one head's whole sequence: q, k, dq, dk [T, K]; v, do, o, dv [T, BLOCK_V];
@@ -25,18 +25,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ling2.kernels import vma
-from ling2.kernels.gpu_padding import pad_last, pad_state, pow2
+from ling2.kernels.triton_blocks import dot, pad_last, pad_state, pow2
 
-_HI = jax.lax.Precision.HIGHEST
 BLOCK_V = 64  # state columns per program
-
-
-def _dot(a, b, dt, ta=False, tb=False):
-    """a @ b (optionally transposed) on operands cast to dt, fp32 accumulation; exact fp32 when dt is fp32.
-    With bf16 inputs the fp32 state enters its matmuls as bf16 (as fla does); it accumulates in fp32."""
-    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-    prec = _HI if dt == jnp.float32 else None
-    return jax.lax.dot_general(a.astype(dt), b.astype(dt), dims, precision=prec, preferred_element_type=jnp.float32)
 
 
 def _load(refs, n, C, scale):
@@ -59,9 +50,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, b_ref, doc_ref, alpha_ref, w_ref, h0_ref, o
     def body(n, S_KV):
         refs = (q_ref, k_ref, v_ref, b_ref, doc_ref, alpha_ref, w_ref)
         s, (q_CK, k_CK, v_CV), D_CC, alpha_C1, w_C1, lam = _load(refs, n, C, scale)
-        o_CV = _dot(_dot(q_CK, k_CK, dt, tb=True) * D_CC, v_CV, dt) + (scale * alpha_C1) * _dot(q_CK, S_KV, dt)
+        o_CV = dot(dot(q_CK, k_CK, dt, tb=True) * D_CC, v_CV, dt) + (scale * alpha_C1) * dot(q_CK, S_KV, dt)
         o_ref[s, :] = o_CV.astype(o_ref.dtype)
-        return lam * S_KV + _dot(k_CK * w_C1, v_CV, dt, ta=True)
+        return lam * S_KV + dot(k_CK * w_C1, v_CV, dt, ta=True)
 
     hT_ref[...] = jax.lax.fori_loop(0, q_ref.shape[0] // C, body, h0_ref[...])
 
@@ -72,9 +63,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref, h0
     def body(n, S_KV):
         refs = (k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref)
         s, (k_CK, v_CV, do_CV), D_CC, alpha_C1, w_C1, lam = _load(refs, n, C, scale)
-        dA_CC = _dot(do_CV, v_CV, dt, tb=True) * D_CC
-        dq_ref[s, :] = _dot(dA_CC, k_CK, dt) + (scale * alpha_C1) * _dot(do_CV, S_KV, dt, tb=True)
-        return lam * S_KV + _dot(k_CK * w_C1, v_CV, dt, ta=True)
+        dA_CC = dot(do_CV, v_CV, dt, tb=True) * D_CC
+        dq_ref[s, :] = dot(dA_CC, k_CK, dt) + (scale * alpha_C1) * dot(do_CV, S_KV, dt, tb=True)
+        return lam * S_KV + dot(k_CK * w_C1, v_CV, dt, ta=True)
 
     jax.lax.fori_loop(0, q_ref.shape[0] // C, body, h0_ref[...])
 
@@ -86,11 +77,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref, 
     def body(r, G_KV):
         refs = (q_ref, k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref)
         s, (q_CK, k_CK, v_CV, do_CV), D_CC, alpha_C1, w_C1, lam = _load(refs, N - 1 - r, C, scale)
-        A_CC = _dot(q_CK, k_CK, dt, tb=True) * D_CC
-        dA_CC = _dot(do_CV, v_CV, dt, tb=True) * D_CC
-        dk_ref[s, :] = _dot(dA_CC, q_CK, dt, ta=True) + w_C1 * _dot(v_CV, G_KV, dt, tb=True)
-        dv_ref[s, :] = _dot(A_CC, do_CV, dt, ta=True) + w_C1 * _dot(k_CK, G_KV, dt)
-        return lam * G_KV + _dot(q_CK * (scale * alpha_C1), do_CV, dt, ta=True)
+        A_CC = dot(q_CK, k_CK, dt, tb=True) * D_CC
+        dA_CC = dot(do_CV, v_CV, dt, tb=True) * D_CC
+        dk_ref[s, :] = dot(dA_CC, q_CK, dt, ta=True) + w_C1 * dot(v_CV, G_KV, dt, tb=True)
+        dv_ref[s, :] = dot(A_CC, do_CV, dt, ta=True) + w_C1 * dot(k_CK, G_KV, dt)
+        return lam * G_KV + dot(q_CK * (scale * alpha_C1), do_CV, dt, ta=True)
 
     dh0_ref[...] = jax.lax.fori_loop(0, N, body, dhT_ref[...])
 

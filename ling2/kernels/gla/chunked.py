@@ -1,6 +1,6 @@
 """Chunked simple GLA in pure JAX: the CPU default and the fallback everywhere.
 
-Works on the prepared layout of `gla.prepare` (time padded to N*C, heads before time):
+Works on the prepared layout of `layout.prepare` (time padded to N*C, heads before time):
   q, k [B, H, T, K]; v, do [B, H, T, V]; per-token fp32 `aux` arrays [B, H, T]:
   b (log-decay cumsum within the chunk), doc (document index), alpha (e^{b_i} if token i
   still sees the state entering its chunk, else 0), w (e^{b_C - b_j} if token j reaches the

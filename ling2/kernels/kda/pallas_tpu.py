@@ -2,7 +2,7 @@
 
 Grid (B, H, N): one chunk of C tokens per step, the chunk axis last and "arbitrary", so the fp32
 state (K x V) lives in a VMEM scratch and is carried from chunk to chunk. Per-chunk math in
-kda_chunk_math.
+chunk_math.
   forward: o and the final state, sweeping chunks forward.
   states:  the backward's forward sweep: the state entering every chunk [B, H, N, K, V]
            (recomputed, nothing is kept from the forward).
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ling2.kernels import kda_chunk_math as chunk
+from ling2.kernels.kda import chunk_math as chunk
 from ling2.kernels import vma
 
 

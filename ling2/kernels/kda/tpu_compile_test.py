@@ -4,7 +4,7 @@ Needs a venv with jax[tpu] (libtpu); no TPU has to be attached: `topologies.get_
 v5p devices to compile for. At the Ling 3 shape (B=2, T=4096, H=16, K=V=128), bf16 and fp32, forward
 and forward+backward, with packed segments: the compiled HLO holds the Mosaic kernel calls, and
 XLA's planned temporary memory grows linearly in T (the backward keeps chunk states, not per-token
-states). Run: `PYTHONPATH=. JAX_PLATFORMS=cpu <tpu venv>/bin/python -m pytest ling2/kernels/kda_tpu_compile_test.py`.
+states). Run: `PYTHONPATH=. JAX_PLATFORMS=cpu <tpu venv>/bin/python -m pytest ling2/kernels/kda/tpu_compile_test.py`.
 """
 
 import functools

@@ -9,11 +9,11 @@ segment. `kda` pads T to the chunk size, dispatches to a backend and wraps it in
 `jax.custom_vjp` whose backward is chunked too (it recomputes chunk states; nothing per token is
 stored beyond the inputs).
 
-Backends: "chunked" (pure JAX, kda_chunked), "pallas_tpu", "pallas_gpu" (Pallas kernels for the
+Backends: "chunked" (pure JAX, chunked.py), "pallas_tpu", "pallas_gpu" (Pallas kernels for the
 forward and the backward; on CPU they run with interpret=True), the oracle "naive" (per-token
 scan, autodiff), and "auto" (TPU -> pallas_tpu, CUDA -> pallas_gpu, else chunked), decided for the
 platform the computation is lowered for, as in `gla`. All chunked
-backends run the same per-chunk math (kda_chunk_math).
+backends run the same per-chunk math (kda/chunk_math.py).
 Numerics: the state and every accumulation are fp32 (fp64 for fp64 inputs); "chunked" computes
 in fp32 throughout; with bf16 inputs the Pallas kernels feed data matmuls as bf16 (as fla does).
 Per-key-dim decays are only ever exponentiated as sums of g over a span (never e^{-b}), so strong
@@ -28,8 +28,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ling2.kernels import dispatch, kda_chunked, kda_pallas_gpu, kda_pallas_tpu, kda_reference
-from ling2.kernels.gla import doc_index, prepare
+from ling2.kernels import dispatch
+from ling2.kernels.kda import chunked, pallas_gpu, pallas_tpu, reference
+from ling2.kernels.layout import doc_index, prepare
 from ling2.kernels.vma import vary_like
 
 BACKENDS = ("auto", "chunked", "pallas_tpu", "pallas_gpu", "naive")
@@ -65,19 +66,19 @@ def prepare_docs(doc_BT, C):
 
 def _kernels(backend, interpret):
     if backend == "chunked":
-        return kda_chunked.forward, kda_chunked.backward
-    mod = {"pallas_tpu": kda_pallas_tpu, "pallas_gpu": kda_pallas_gpu}[backend]
+        return chunked.forward, chunked.backward
+    mod = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[backend]
     return (functools.partial(mod.forward, interpret=interpret),
             functools.partial(mod.backward, interpret=interpret))
 
 
 def _run_kernel(which, backend, interpret, scale, C, *args):
-    return dispatch.run_kernel(_kernels, lambda p: resolve_backend("auto", p), kda_reference.acc_dtype, which,
+    return dispatch.run_kernel(_kernels, lambda p: resolve_backend("auto", p), reference.acc_dtype, which,
                                backend, interpret, scale, C, *args)
 
 
 def _zero_state(q_BTHK, v_BTHV):
-    acc = kda_reference.acc_dtype(q_BTHK.dtype)
+    acc = reference.acc_dtype(q_BTHK.dtype)
     B, _, H, K = q_BTHK.shape
     return vary_like(jnp.zeros((B, H, K, v_BTHV.shape[3]), acc), q_BTHK)
 
@@ -160,7 +161,7 @@ def kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None, scale=None, c
         doc_BT = doc_index(segment_ids)
     if initial_state is not None and initial_state.shape != (B, H, K, Vd):
         raise ValueError(f"kda: initial_state must be [B,H,K,V]={B, H, K, Vd}, got {initial_state.shape}")
-    acc = kda_reference.acc_dtype(q.dtype)
+    acc = reference.acc_dtype(q.dtype)
     h0_BHKV = None if initial_state is None else initial_state.astype(acc)
     g_BTHK, beta_BTH = g.astype(acc), beta.astype(acc)
     scale = K**-0.5 if scale is None else float(scale)
@@ -168,7 +169,7 @@ def kda(q, k, v, g, beta, *, segment_ids=None, initial_state=None, scale=None, c
         raise ValueError(f"kda backend={backend!r}: expected one of {BACKENDS}")
     if backend == "naive":
         h0_BHKV = _zero_state(q, v) if h0_BHKV is None else h0_BHKV
-        o_BTHV, hT_BHKV = kda_reference.naive_recurrence(q, k, v, g_BTHK, beta_BTH, doc_BT, h0_BHKV, scale)
+        o_BTHV, hT_BHKV = reference.naive_recurrence(q, k, v, g_BTHK, beta_BTH, doc_BT, h0_BHKV, scale)
         o_BTHV = o_BTHV.astype(q.dtype)
     else:
         h0_BHKV = None if h0_BHKV is None else vary_like(h0_BHKV, q)
@@ -189,9 +190,9 @@ def kda_step(state, q_t, k_t, v_t, g_t, beta_t, *, scale=None, reset=None):
     Returns:
       (o_t [B, H, V] in q_t's dtype, new state [B, H, K, V] fp32).
     """
-    acc = kda_reference.acc_dtype(q_t.dtype)
+    acc = reference.acc_dtype(q_t.dtype)
     scale = q_t.shape[-1]**-0.5 if scale is None else scale
     reset = jnp.zeros(q_t.shape[:1], bool) if reset is None else reset
-    o_BHV, S_BHKV = kda_reference.step(state.astype(acc), *(x.astype(acc) for x in (q_t, k_t, v_t, g_t, beta_t)),
+    o_BHV, S_BHKV = reference.step(state.astype(acc), *(x.astype(acc) for x in (q_t, k_t, v_t, g_t, beta_t)),
                                        reset, scale)
     return o_BHV.astype(q_t.dtype), S_BHKV

@@ -1,11 +1,11 @@
 """Chunked Kimi Delta Attention in pure JAX (the WY / UT-transform form of fla's `chunk_kda`).
 
-The per-chunk math is kda_chunk_math (the same code the Pallas kernels run), vmapped over batch,
+The per-chunk math is chunk_math (the same code the Pallas kernels run), vmapped over batch,
 heads and chunks; only the state recurrence across chunks is a lax.scan. Everything is computed
 in the accumulation dtype (fp32; fp64 for fp64 inputs), bf16 inputs included.
 
-Works on the prepared layout of `kda.prepare` (time padded to N*C, heads before time):
-  q, k, g [B, H, T, K]; v, do [B, H, T, V]; beta [B, H, T]; aux (`kda.prepare_docs`): doc, first,
+Works on the prepared layout of `layout.prepare` (time padded to N*C, heads before time):
+  q, k, g [B, H, T, K]; v, do [B, H, T, V]; beta [B, H, T]; aux (`op.prepare_docs`): doc, first,
   last [B, 1, T] (document index; token shares the document of the state entering / leaving its chunk).
 The backward recomputes the chunk states with a forward scan, sweeps dL/d(state) backwards with a
 second scan (G_in = lam G + scale (q alpha)^T do - W^T (Aqk^T do) - W^T ((k omega) G)), and then
@@ -18,7 +18,7 @@ D either head dim.
 import jax
 import jax.numpy as jnp
 
-from ling2.kernels import kda_chunk_math as chunk
+from ling2.kernels.kda import chunk_math as chunk
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -39,7 +39,7 @@ def vmap3(f):
 
 
 def prologue(chunks, scale, dots):
-    """kda_chunk_math.prologue of every chunk at once: a dict of [B, H, N, ...] arrays."""
+    """chunk_math.prologue of every chunk at once: a dict of [B, H, N, ...] arrays."""
     return vmap3(lambda *a: chunk.prologue(*a, scale, dots))(*chunks)
 
 

@@ -27,7 +27,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ling2.kernels import dispatch, gla_chunked, gla_pallas_gpu, gla_pallas_tpu, gla_reference, vma
+from ling2.kernels import dispatch, vma
+from ling2.kernels.gla import chunked, pallas_gpu, pallas_tpu, reference
+from ling2.kernels.layout import doc_index, prepare
 
 BACKENDS = ("auto", "chunked", "pallas_tpu", "pallas_gpu", "naive", "quadratic")
 
@@ -38,25 +40,13 @@ def resolve_backend(backend: str, platform: str, chunk_size: int = 64) -> str:
         raise ValueError(f"gla backend={backend!r}: expected one of {BACKENDS}")
     if backend != "auto":
         return backend
-    if platform == "cuda" and not gla_pallas_gpu.supports_chunk(chunk_size):
+    if platform == "cuda" and not pallas_gpu.supports_chunk(chunk_size):
         return "chunked"
     return {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}.get(platform, "chunked")
 
 
-def doc_index(segment_ids):
-    """[B, T] non-decreasing document index: +1 wherever the segment id changes."""
-    change_BT = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)  # [B, T-1]
-    return jnp.concatenate([jnp.zeros_like(change_BT[:, :1]), jnp.cumsum(change_BT, axis=1)], axis=1)
-
-
-def prepare(x_BTHD, C):
-    """Pads T to a multiple of C and moves heads first: [B, T, H, D] -> [B, H, L, D]."""
-    pad = -x_BTHD.shape[1] % C
-    return jnp.pad(x_BTHD, ((0, 0), (0, pad), (0, 0), (0, 0))).swapaxes(1, 2)
-
-
 def prepare_aux(g_BTH, doc_BT, C):
-    """Per-token fp32 decay factors [B, H, L] for the chunked kernels (see gla_chunked)."""
+    """Per-token fp32 decay factors [B, H, L] for the chunked kernels (see chunked.py)."""
     B, T, H = g_BTH.shape
     pad = -T % C
     g_BHL = jnp.pad(g_BTH.astype(jnp.float32), ((0, 0), (0, pad), (0, 0))).swapaxes(1, 2)
@@ -74,8 +64,8 @@ def prepare_aux(g_BTH, doc_BT, C):
 
 def _kernels(backend, interpret):
     if backend == "chunked":
-        return gla_chunked.forward, gla_chunked.backward
-    mod = {"pallas_tpu": gla_pallas_tpu, "pallas_gpu": gla_pallas_gpu}[backend]
+        return chunked.forward, chunked.backward
+    mod = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[backend]
     return (functools.partial(mod.forward, interpret=interpret),
             functools.partial(mod.backward, interpret=interpret))
 
@@ -174,7 +164,7 @@ def simple_gla(q, k, v, g, *, segment_ids=None, initial_state=None, scale=None, 
     if backend not in BACKENDS:
         raise ValueError(f"gla backend={backend!r}: expected one of {BACKENDS}")
     if backend in ("naive", "quadratic"):
-        oracle = gla_reference.naive_recurrence if backend == "naive" else gla_reference.quadratic
+        oracle = reference.naive_recurrence if backend == "naive" else reference.quadratic
         o_BTHV, hT_BHKV = oracle(q, k, v, g_BTH, doc_BT, _zero_state(q, v) if h0_BHKV is None else h0_BHKV, scale)
         o_BTHV = o_BTHV.astype(q.dtype)
     else:

@@ -3,7 +3,7 @@
 Independent references: fla-core's `naive_recurrent_kda` and `naive_chunk_kda` (fla/ops/kda/naive.py,
 torch, loaded by path; run in fp64 by widening the file's fp32 casts, and also as shipped in fp32;
 torch autograd gives its gradients), each document run on its own for packing, and the per-token
-recurrence (kda_reference, autodiff) for the chunked form on inputs fla cannot take (segments).
+recurrence (reference.py, autodiff) for the chunked form on inputs fla cannot take (segments).
 """
 
 import functools

@@ -1,8 +1,8 @@
 """Pallas GPU (Triton) kernels for chunked KDA: the recurrence across chunks, and only that.
 
-Everything of a chunk that does not need the state (kda_chunk_math.prologue: the intra-chunk
+Everything of a chunk that does not need the state (chunk_math.prologue: the intra-chunk
 products, the (I + A)^-1 solve, U, W and the decays) and every chunk's gradients given its states
-are independent across chunks, so they run for all chunks at once as batched XLA (kda_chunked's
+are independent across chunks, so they run for all chunks at once as batched XLA (chunked's
 vmapped math), where the GPU has B x H x N-way parallelism for them. What is sequential is a few
 matmuls per chunk, and those run as Triton kernels on grid (B, H, V / BLOCK_V), each program looping
 over the N chunks with its fp32 slice of the state (K x BLOCK_V) in registers:
@@ -13,7 +13,7 @@ over the N chunks with its fp32 slice of the state (K x BLOCK_V) in registers:
 (Running the whole chunk math inside the sequential loop instead keeps a dozen [C, K] fp32 tiles
 live per program on only B x H x V / BLOCK_V programs: 59x fla's forward time on an H200,
 tools/bench/kda/NOTES.md.)
-Precision as the other backends' bf16 path (kda_chunk_math.Dots with TF32 for the decay products
+Precision as the other backends' bf16 path (chunk_math.Dots with TF32 for the decay products
 and the solve): data matmuls take operands in the input dtype, the state and accumulation are fp32.
 Triton needs power-of-two block shapes: K and V are zero-padded up to one (exact: padded key dims
 have zero k, W and lam) and the chunk size is a power of two >= 16.
@@ -30,9 +30,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ling2.kernels import kda_chunk_math as chunk
-from ling2.kernels import kda_chunked, vma
-from ling2.kernels.gpu_padding import pad_last, pad_state, pow2
+from ling2.kernels import vma
+from ling2.kernels.kda import chunk_math as chunk
+from ling2.kernels.kda import chunked
+from ling2.kernels.triton_blocks import dot, pad_last, pad_state, pow2
 
 _HI = jax.lax.Precision.HIGHEST
 BLOCK_V = 64  # state columns per program
@@ -40,13 +41,6 @@ BLOCK_V = 64  # state columns per program
 
 def _dots(dt):
     return chunk.Dots(dt, mid_low=jax.lax.Precision.HIGH)  # TF32 for the decay products and the inverse
-
-
-def _dot(a, b, dt, ta=False, tb=False):
-    """a @ b (optionally transposed) on operands cast to dt, fp32 accumulation; exact fp32 when dt is fp32."""
-    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-    return jax.lax.dot_general(a.astype(dt), b.astype(dt), dims, precision=_HI if dt == jnp.float32 else None,
-                               preferred_element_type=jnp.float32)
 
 
 def _chunk(n, C):
@@ -58,9 +52,9 @@ def _fwd_kernel(qa_ref, A_ref, U_ref, W_ref, kw_ref, lam_ref, h0_ref, o_ref, hT_
 
     def body(n, S_KV):
         s = _chunk(n, C)
-        delta_CV = U_ref[s, :] - _dot(W_ref[s, :], S_KV, dt)
-        o_ref[s, :] = (scale * _dot(qa_ref[s, :], S_KV, dt) + _dot(A_ref[s, :], delta_CV, dt)).astype(o_ref.dtype)
-        return lam_ref[n, :][:, None] * S_KV + _dot(kw_ref[s, :], delta_CV, dt, ta=True)
+        delta_CV = U_ref[s, :] - dot(W_ref[s, :], S_KV, dt)
+        o_ref[s, :] = (scale * dot(qa_ref[s, :], S_KV, dt) + dot(A_ref[s, :], delta_CV, dt)).astype(o_ref.dtype)
+        return lam_ref[n, :][:, None] * S_KV + dot(kw_ref[s, :], delta_CV, dt, ta=True)
 
     hT_ref[...] = jax.lax.fori_loop(0, U_ref.shape[0] // C, body, h0_ref[...])
 
@@ -71,8 +65,8 @@ def _states_kernel(U_ref, W_ref, kw_ref, lam_ref, h0_ref, Sin_ref, *, C):
     def body(n, S_KV):
         s = _chunk(n, C)
         Sin_ref[n] = S_KV
-        delta_CV = U_ref[s, :] - _dot(W_ref[s, :], S_KV, dt)
-        return lam_ref[n, :][:, None] * S_KV + _dot(kw_ref[s, :], delta_CV, dt, ta=True)
+        delta_CV = U_ref[s, :] - dot(W_ref[s, :], S_KV, dt)
+        return lam_ref[n, :][:, None] * S_KV + dot(kw_ref[s, :], delta_CV, dt, ta=True)
 
     jax.lax.fori_loop(0, U_ref.shape[0] // C, body, h0_ref[...])
 
@@ -85,8 +79,8 @@ def _reverse_kernel(W_ref, kw_ref, lam_ref, Vc_ref, dhT_ref, G_ref, dh0_ref, *, 
         n = N - 1 - r
         s = _chunk(n, C)
         G_ref[n] = G_KV
-        kG_CV = _dot(kw_ref[s, :], G_KV, dt)
-        return lam_ref[n, :][:, None] * G_KV - _dot(W_ref[s, :], kG_CV, dt, ta=True) + Vc_ref[n]
+        kG_CV = dot(kw_ref[s, :], G_KV, dt)
+        return lam_ref[n, :][:, None] * G_KV - dot(W_ref[s, :], kG_CV, dt, ta=True) + Vc_ref[n]
 
     dh0_ref[...] = jax.lax.fori_loop(0, N, body, dhT_ref[...])
 
@@ -121,8 +115,8 @@ def _sweep_inputs(q, k, v, g, beta, aux, scale, C, *extra):
     dt = q.dtype
     B, H, T, K0 = q.shape
     K, V = pow2(K0), pow2(v.shape[-1])
-    chunks = kda_chunked.per_chunk(q, k, v, g, beta, aux, C, *extra)
-    p = kda_chunked.prologue(chunks[:9], scale, _dots(dt))
+    chunks = chunked.per_chunk(q, k, v, g, beta, aux, C, *extra)
+    p = chunked.prologue(chunks[:9], scale, _dots(dt))
     flat = lambda x_BHNCD: x_BHNCD.reshape(B, H, T, x_BHNCD.shape[-1])
     tk = lambda x_BHNCK: pad_last(flat(x_BHNCK).astype(dt), K)
     ops = dict(qa=tk(chunks[0] * p["alpha"]), W=tk(p["W"]), kw=tk(chunks[1] * p["omega"]),
@@ -173,7 +167,7 @@ def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C, *, interpret=False, b
         ("full", "full", "full", "v", "v", "v", "v"), BV, interpret)
     S_BHNKV, G_BHNKV = S_BHNKV[..., :K0, :V0], G_BHNKV[..., :K0, :V0]
     dots = _dots(dt)
-    grads = kda_chunked.vmap3(lambda *a: chunk.backward(*a[:9], a[10], a[11], a[9], scale, dots, pre=a[12]))
+    grads = chunked.vmap3(lambda *a: chunk.backward(*a[:9], a[10], a[11], a[9], scale, dots, pre=a[12]))
     dq, dk, dv, dg, dbeta, _ = grads(*chunks, S_BHNKV, G_BHNKV, p)
     return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dg.reshape(g.shape),
             dbeta.reshape(B, H, T), dh0_BHKV[:, :, :K0, :V0])

@@ -1,7 +1,7 @@
 """Chunked simple GLA against its oracles, fla-core's naive torch op, the decode step and packing.
 
 Independent references: the per-token recurrence and the quadratic T x T form written in
-gla_reference.py (autodiff gives their gradients), and flash-linear-attention's
+reference.py (autodiff gives their gradients), and flash-linear-attention's
 `naive_recurrent_simple_gla` (PyPI fla-core, torch).
 """
 

@@ -1,6 +1,6 @@
 """KDA Pallas TPU and GPU kernels, run with interpret=True on CPU, against the naive recurrence.
 
-Reference: kda_reference.naive_recurrence (a plain per-token scan; autodiff gradients), which
+Reference: reference.naive_recurrence (a plain per-token scan; autodiff gradients), which
 kda_test checks against flash-linear-attention's naive KDA. Forward and backward (dq, dk, dv, dg,
 dbeta, d initial state) with packed segments, T not a multiple of the chunk, gates at the -5 bound,
 bf16, head dims that are not powers of two, and several V blocks per head on GPU; then lowering
@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ling2.kernels import kda, kda_pallas_gpu
+from ling2.kernels import kda
+from ling2.kernels.kda import pallas_gpu as kda_pallas_gpu
 
 NAMES = ("o", "hT", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
@@ -89,10 +90,10 @@ def test_pallas_gpu_rejects_non_power_of_two_chunk():
         kda.kda(x, x, x, x, jnp.zeros((1, 8, 1)), chunk_size=24, backend="pallas_gpu", interpret=True)
 
 
-@pytest.mark.parametrize("backend, platform, marker", [("pallas_gpu", "cuda", "triton"),
-                                                       ("pallas_tpu", "tpu", "tpu_custom_call"),
-                                                       ("auto", "cuda", "triton"),
-                                                       ("auto", "tpu", "tpu_custom_call")])
+@pytest.mark.parametrize("backend, platform, marker", [("pallas_gpu", "cuda", "custom_call @__gpu$xla.gpu.triton"),
+                                                       ("pallas_tpu", "tpu", "custom_call @tpu_custom_call"),
+                                                       ("auto", "cuda", "custom_call @__gpu$xla.gpu.triton"),
+                                                       ("auto", "tpu", "custom_call @tpu_custom_call")])
 @pytest.mark.parametrize("T, D, dtype", [(1088, 128, jnp.bfloat16), (100, 24, jnp.float32)])
 def test_kernels_lower_for_real_hardware(backend, platform, marker, T, D, dtype):
     """Without interpret mode, forward and backward lower through Triton / Mosaic to three kernel calls;

@@ -1,0 +1,31 @@
+"""The attention kinds of the hybrid, one registry entry each: adding a kind is its module plus one entry.
+
+Each entry holds what the rest of Ling2 needs of a kind:
+  module(cfg, layer_idx, rngs=...)   the layer (training forward and the decoding interface of
+                                     `ling2.layers.decode`: init_cache, prefill, step, accept, unpack);
+  matmul_params(cfg), mixing_flops(cfg, seq_len)   its FLOP count (`ling2.layers.model`);
+  cache                              the type its init_cache returns;
+  hf_params(layout)                  its weights' HF names (`ling2.convert.mapping`).
+"""
+
+from typing import Callable, NamedTuple
+
+from ling2.layers import attention_gla, attention_kda, attention_mla
+
+
+class AttentionKind(NamedTuple):
+    module: type
+    matmul_params: Callable
+    mixing_flops: Callable
+    cache: type
+    hf_params: Callable
+
+
+ATTENTION = {
+    "mla": AttentionKind(attention_mla.MLA, attention_mla.matmul_params, attention_mla.mixing_flops,
+                         attention_mla.MLACache, attention_mla.hf_params),
+    "gla": AttentionKind(attention_gla.GatedLinearAttention, attention_gla.matmul_params, attention_gla.mixing_flops,
+                         attention_gla.GLACache, attention_gla.hf_params),
+    "kda": AttentionKind(attention_kda.KimiDeltaAttention, attention_kda.matmul_params, attention_kda.mixing_flops,
+                         attention_kda.KDACache, attention_kda.hf_params),
+}
