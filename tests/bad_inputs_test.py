@@ -38,7 +38,7 @@ def write(path: Path, text: str) -> Path:
 def state_dir(path: Path, cfg) -> Path:
     """A converter state directory of `cfg` with random weights."""
     rng = np.random.default_rng(0)
-    leaves = ckpt_state.abstract_state(cfg)
+    leaves = ckpt_state.model_leaves(cfg)
     ckpt_state.save_state(path, ckpt_state.unflat({p: rng.standard_normal(v.shape).astype(v.dtype)
                                                    for p, v in leaves.items()}), cfg)
     return path

@@ -11,7 +11,7 @@ Two kinds of directory hold the state of a `Ling2Model`:
 `load_state` reads either into the model's key structure (re-laid out when the saved config
 scans differently), `relayout` moves a state between the scanned and unscanned layouts along
 the layer plan, `load_into` writes a state into a model. Leaf shapes come from the abstract
-model (`abstract_state`: nnx.eval_shape, cached per config), so they never drift from it.
+model (`model_leaves`: nnx.eval_shape, cached per config), so they never drift from it.
 """
 
 import shutil
@@ -70,7 +70,7 @@ def key(path) -> str:
     return "/".join(map(str, path))
 
 
-def abstract_state(cfg) -> dict:
+def model_leaves(cfg) -> dict:
     """{key path: Leaf(shape, dtype)} of every Variable of Ling2Model(cfg), in nnx's order."""
     leaves = flat(nnx.to_pure_dict(nnx.state(abstract_model(cfg))))
     return {p: Leaf(tuple(v.shape), np.dtype(v.dtype)) for p, v in leaves.items()}
@@ -106,7 +106,7 @@ def read_config(path, *overrides):
 
 def state_writer(out_dir, cfg, order=()) -> PlannedWriter:
     """Writes config.yml and plans `state/` (one safetensors tensor per leaf, the leaves in `order` first)."""
-    leaves = abstract_state(cfg)
+    leaves = model_leaves(cfg)
     out = Path(out_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_NAME).write_text(to_yaml(cfg))
@@ -118,7 +118,7 @@ def state_writer(out_dir, cfg, order=()) -> PlannedWriter:
 
 def save_state(out_dir, state: dict, cfg) -> Path:
     """Writes a state directory (see the module doc) of an in-memory pure-dict state."""
-    leaves = abstract_state(cfg)
+    leaves = model_leaves(cfg)
     items = {tuple(map(str, p)): v for p, v in flat(state).items()}
     check_shapes({p: np.shape(v) for p, v in items.items()}, leaves, "state")
     writer = state_writer(out_dir, cfg)
@@ -132,7 +132,7 @@ def relayout(state: dict, cfg_from, cfg_to) -> dict:
     """The same weights in cfg_to's layout (scanned <-> unscanned): each layer's subtree moves from its
     place in cfg_from's layer plan to its place in cfg_to's; every other leaf keeps its path."""
     src = {tuple(map(str, p)): np.asarray(v) for p, v in flat(state).items()}
-    leaves = abstract_state(cfg_to)
+    leaves = model_leaves(cfg_to)
     dst = {p: np.empty(v.shape, v.dtype) for p, v in leaves.items()}
     dst_by_str = {tuple(map(str, p)): p for p in dst}
     to_specs = {s.index: s for s in layer_plan(cfg_to).all()}
@@ -160,15 +160,15 @@ def load_state(ckpt_dir, cfg) -> dict:
     if saved.is_file():
         saved_cfg = read_config(saved)
         if saved_cfg.scan_layers != cfg.scan_layers:
-            relaid = abstract_state(saved_cfg.model_copy(update={"scan_layers": cfg.scan_layers}))
-            check_shapes({p: v.shape for p, v in relaid.items()}, abstract_state(cfg), str(Path(ckpt_dir)))
+            relaid = model_leaves(saved_cfg.model_copy(update={"scan_layers": cfg.scan_layers}))
+            check_shapes({p: v.shape for p, v in relaid.items()}, model_leaves(cfg), str(Path(ckpt_dir)))
             return relayout(_load_state(ckpt_dir, saved_cfg), saved_cfg, cfg)
     return _load_state(ckpt_dir, cfg)
 
 
 def _load_state(ckpt_dir, cfg) -> dict:
     path = Path(ckpt_dir).absolute() / STATE_NAME
-    leaves = abstract_state(cfg)
+    leaves = model_leaves(cfg)
     if (path / INDEX_NAME).is_file():  # a state directory: one safetensors tensor per leaf
         try:
             reader = ShardedReader(path)

@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from ling2.checkpoint.manager import saved_config
 from ling2.checkpoint.safetensors_io import INDEX_NAME, PlannedWriter, SafetensorsError, ShardedReader
-from ling2.checkpoint.state import (CONFIG_NAME, CheckpointError, STATE_NAME, abstract_state, check_shapes, flat, key, load_state,
-                                    read_config, state_writer, unflat)
+from ling2.checkpoint.state import (CONFIG_NAME, CheckpointError, STATE_NAME, check_shapes, flat, key, load_state,
+                                    model_leaves, read_config, state_writer, unflat)
 from ling2.config import ConfigError
 from ling2.convert import hf_config, mapping
 from ling2.layers.mtp import MTP
@@ -87,7 +87,7 @@ def _plan(reader, cfg, layout: str, allow_missing_mtp: bool):
 
     Raises ConversionError listing every missing, unexpected, mis-shaped and wrongly typed tensor.
     """
-    leaves = abstract_state(cfg)
+    leaves = model_leaves(cfg)
     es = mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()})
     names = set(reader.names())
     found = {e: _resolve(e, names) for e in es}
@@ -120,7 +120,7 @@ def _plan(reader, cfg, layout: str, allow_missing_mtp: bool):
 def mtp_absent(reader, cfg, layout: str) -> bool:
     """True when `cfg` has MTP layers and `reader` holds none of their tensors: what transformers'
     `save_pretrained` writes for a Ling 3 model (its BailingHybridForCausalLM has no MTP modules)."""
-    leaves = abstract_state(cfg)
+    leaves = model_leaves(cfg)
     es = [e for e in mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()}) if e.mtp]
     names = set(reader.names())
     return bool(es) and all(_resolve(e, names) is None for e in es)
@@ -165,7 +165,7 @@ def hf_to_state(reader, cfg, layout: str, allow_missing_mtp: bool = False, progr
 
 def hf_specs(cfg, layout: str, dtype=None) -> list:
     """[(HF name, shape, dtype)] of every tensor `state_to_hf` writes, in its order."""
-    leaves = abstract_state(cfg)
+    leaves = model_leaves(cfg)
     return [(e.hf, mapping.hf_shape(e, leaves[e.path].shape), np.dtype(leaves[e.path].dtype if dtype is None else dtype))
             for e in mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()})]
 
@@ -176,7 +176,7 @@ def state_to_hf(state, cfg, layout: str, writer, progress: bool = True) -> None:
     `state` is a pure-dict Ling2 state (either key type) or a ShardedReader over a converter
     `state/` directory, from which each block is read only when it is written.
     """
-    leaves = abstract_state(cfg)
+    leaves = model_leaves(cfg)
     es = mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()})
     if isinstance(state, ShardedReader):
         check_shapes({tuple(n.split("/")): state.shape(n) for n in state.names()}, leaves, str(state.dir))

@@ -25,8 +25,8 @@ from flax import nnx
 
 from ling2.checkpoint.manager import saved_config
 from ling2.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, ShardedReader
-from ling2.checkpoint.state import (CONFIG_NAME, STATE_NAME, CheckpointError, abstract_state, check_shapes, flat,
-                                    load_state, read_config, relayout)
+from ling2.checkpoint.state import (CONFIG_NAME, STATE_NAME, CheckpointError, check_shapes, flat, load_state,
+                                    model_leaves, read_config, relayout)
 from ling2.config import ConfigError, load_config
 from ling2.config.paths import user_path
 from ling2.convert import convert, hf_config
@@ -163,7 +163,7 @@ def load_model(ckpt, *overrides, progress: bool = False, need_mtp: bool = False)
             cfg = load_config(saved.model_dump(mode="json"), *overrides, INFER_OVERRIDES)
         state = load_state(step_dir, saved)
         same_layout = cfg.model_copy(update={"scan_layers": saved.scan_layers})
-        check_shapes({p: np.shape(v) for p, v in flat(state).items()}, abstract_state(same_layout),
+        check_shapes({p: np.shape(v) for p, v in flat(state).items()}, model_leaves(same_layout),
                      f"{step_dir} (with the overrides {list(overrides)})")
         if saved.scan_layers != cfg.scan_layers:
             state = relayout(state, saved, cfg)

@@ -97,19 +97,10 @@ class DecoderLayer(nnx.Module):
 
 
 class LayerGroup(nnx.Module):
-    """Consecutive layers applied in order (one scan step)."""
+    """Consecutive layers, one scan step (the decoder runs them one by one, each under its own remat)."""
 
     def __init__(self, layers):
         self.layers = nnx.List(layers)
-
-    def __call__(self, x_BTE, positions_BT, segment_ids_BT, valid_BT=None, log_decays=None):
-        """`log_decays`: optional per-GLA-layer [H] decays overriding the built-in constants."""
-        auxes = []
-        for j, layer in enumerate(self.layers):
-            decay = log_decays[j] if log_decays is not None and layer.attn_type == "gla" else None
-            x_BTE, aux = layer(x_BTE, positions_BT, segment_ids_BT, valid_BT, log_decay=decay)
-            auxes.append(aux)
-        return x_BTE, auxes
 
 
 def remat(fn, policy: str):
@@ -169,14 +160,14 @@ class Ling2Decoder(nnx.Module):
         self.loss_vocab_blocks, self.dtype, self.vocab_size = cfg.loss_vocab_blocks, cfg.dtype, cfg.vocab_size
 
     def _run(self, module, x, positions, segment_ids, valid, decays=None):
-        """Applies a layer or group functionally, under the remat policy."""
+        """Applies a layer functionally, under the remat policy (`decays`: a GLA layer's traced log-decays)."""
         gdef, state = nnx.split(module)
 
         def f(state, x, decays):
             m = nnx.merge(gdef, state)
             if decays is None:
                 return m(x, positions, segment_ids, valid)
-            return m(x, positions, segment_ids, valid, decays)
+            return m(x, positions, segment_ids, valid, log_decay=decays)
 
         return remat(f, self.remat_policy)(state, x, decays)
 
@@ -282,8 +273,15 @@ class Ling2Decoder(nnx.Module):
                 decays = jnp.asarray(self.group_decays, jnp.float32).reshape(n, k, self.num_heads)
 
                 def body(x, xs):
+                    # Each layer under its own remat, as unscanned layers are: the backward then recomputes
+                    # and holds one layer's activations at a time, not the whole group's.
                     state, d = xs
-                    return self._run(nnx.merge(gdef, state), x, positions_BT, segment_ids_BT, valid_BT, d)
+                    auxes = []
+                    for j, layer in enumerate(nnx.merge(gdef, state).layers):
+                        x, a = self._run(layer, x, positions_BT, segment_ids_BT, valid_BT,
+                                         d[j] if layer.attn_type == "gla" else None)
+                        auxes.append(a)
+                    return x, auxes
 
                 x, group_aux = jax.lax.scan(body, x, (stacked, decays))
                 for j, a in enumerate(group_aux):

@@ -5,6 +5,7 @@ converter and generation build.
   model.loss_sums(batch...) -> LossSums: the main next-token CE sums, each MTP depth's sums and
                                every MoE layer's aux, for the trainer to normalise once
   model.expert_biases()     -> every loss-free-balancing bias with the layers of its rows
+  update_expert_biases(state, counts, cfg) -> the state with every bias moved once (pure; the trainer's)
 
 The decoder is built before MTP, so the decoder's weights do not depend on mtp_num_layers.
 State paths ("decoder/...", "mtp/depths/d/...") are the layer plan's (`ling2.layers.plan`).
@@ -81,13 +82,32 @@ class Ling2Model(nnx.Module):
                 found.setdefault(id(bias), (bias, []))[1].append(index)
         return list(found.values())
 
-    def update_expert_biases(self, counts: dict, cfg) -> None:
-        """Loss-free balancing: one update per optimizer step from counts summed over micro-batches."""
-        for var, idx in self.expert_biases():
-            cur = var[...]
-            rows = cur.reshape(len(idx), -1)
-            new = jnp.stack([bias_update(rows[r], counts[i], cfg) for r, i in enumerate(idx)])
-            var[...] = new.reshape(cur.shape).astype(cur.dtype)
+
+def expert_bias_rows(cfg) -> dict:
+    """{state path of an expert bias: the global layer index of each of its rows}: an [E] bias has one row,
+    a scanned group's stacked [n, E] bias n, in stack order."""
+    rows = {}
+    for spec in layer_plan(cfg).all():
+        if spec.mlp == "moe":
+            rows.setdefault(spec.path + ("mlp", "gate", "expert_bias"), []).append(spec.index)
+    return rows
+
+
+def update_expert_biases(tree, counts: dict, cfg):
+    """`tree` (an nnx.State) with each expert bias moved once by loss-free balancing, from the step's
+    assignments {layer index: [E]} summed over its micro-batches; every other Variable as it is."""
+    rows = expert_bias_rows(cfg)
+
+    def update(path, var):
+        layers = rows.get(tuple(k.key for k in path))
+        if layers is None:
+            return var
+        bias = var[...]
+        bias_RE = bias.reshape(len(layers), -1)
+        new_RE = jnp.stack([bias_update(bias_RE[r], counts[i], cfg) for r, i in enumerate(layers)])
+        return var.replace(new_RE.reshape(bias.shape).astype(bias.dtype))
+
+    return jax.tree_util.tree_map_with_path(update, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def abstract_model(cfg) -> Ling2Model:

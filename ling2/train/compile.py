@@ -56,7 +56,9 @@ _OOM = (re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds 
 
 def hbm_overflow(msg: str):
     """(what, bytes, available bytes) from XLA:TPU's out-of-memory compile error, or None. `what` is
-    "temporaries" (the message counts only them) or "total"."""
+    "temporaries" or "total"; both count the whole heap XLA planned, the arguments (parameters, optimizer
+    state, batch) included: the "HLO temporaries" figure of a program whose arguments alone exceed the
+    chip is larger than those arguments (tools/bench/compile/NOTES.md)."""
     for what, pat in zip(("temporaries", "total"), _OOM):
         m = pat.search(msg)
         if m:
@@ -103,8 +105,8 @@ def plan(cfg, topo, log=print) -> dict:
     log(f"{topo.name} x{topo.num_slices}: {chips} chips ({topo.chip.device_kind}), mesh {dict(mesh.shape)}; "
         f"{cfg.model_name} {out['params'] / 1e9:.2f}B params; {seqs} x {cfg.max_target_length} tokens per step "
         f"({cfg.gradient_accumulation_steps} micro-batches of {out['micro_batch_seqs']})")
-    abstract = abstract_state(cfg, mesh)
-    state = abstract[3]
+    setup = abstract_state(cfg, mesh)
+    state = setup.state
     out["params_bytes"] = _tree_bytes((state.params, state.rest))
     out["opt_state_bytes"] = _tree_bytes((state.opt_state, state.step, state.skipped, state.skipped_total))
     out["batch_bytes"] = _tree_bytes(abstract_batch(cfg, mesh))
@@ -112,14 +114,12 @@ def plan(cfg, topo, log=print) -> dict:
     t0 = time.perf_counter()
     phases = {}
     try:
-        compiled, state = compile_train_step(cfg, mesh, abstract, phases)
+        compiled = compile_train_step(cfg, mesh, setup, phases)
     except Exception as e:  # noqa: BLE001 - XLA reports a program over HBM as a compile error
         over = hbm_overflow(str(e))
         if over is None:
             raise
-        what, used, avail = over
-        if what == "temporaries":  # the state and batch come on top
-            used += out["params_bytes"] + out["opt_state_bytes"] + out["batch_bytes"]
+        _, used, avail = over
         out.update(phases, compile_s=time.perf_counter() - t0, host_peak_rss_bytes=host_peak_rss_bytes(),
                    total_bytes=int(used), fits=False,
                    xla_oom=str(e).splitlines()[0][:500], xla_available_hbm_bytes=int(avail))

@@ -60,7 +60,8 @@ def test_plan_that_does_not_fit(tmp_path):
     m = re.fullmatch(r"v5e-1: (\d+\.\d\d) GiB of 16\.00 GiB per chip \(does not fit, short by (\d+\.\d\d) GiB\)",
                      last_line(r))
     assert m, last_line(r)
-    assert float(m.group(1)) > 48 and float(m.group(2)) == pytest.approx(float(m.group(1)) - 16, abs=0.011)
+    # XLA's "HLO temporaries" figure already holds the 48 GiB of arguments: counted once, not twice
+    assert 48 < float(m.group(1)) < 96 and float(m.group(2)) == pytest.approx(float(m.group(1)) - 16, abs=0.011)
     assert not json.loads(out.read_text())["fits"]
 
 

@@ -29,10 +29,10 @@ def spy_compiled(monkeypatch) -> dict:
     seen = {}
     real = loop.compile_train_step
 
-    def spy(cfg, mesh, *a):
-        compiled, state = real(cfg, mesh, *a)
-        seen["hlo"], seen["state"] = compiled.as_text(), state
-        return compiled, state
+    def spy(cfg, mesh, setup, *a):
+        compiled = real(cfg, mesh, setup, *a)
+        seen["hlo"], seen["state"] = compiled.as_text(), setup.state
+        return compiled
 
     monkeypatch.setattr(loop, "compile_train_step", spy)
     return seen
@@ -114,9 +114,11 @@ from ling2.train.state import abstract_state
 cfg = load_config(model_name="ling2", max_target_length=4096, scan_layers=True, ici_fsdp_parallelism=4,
                   ici_expert_parallelism=8, per_device_batch_size=1, gradient_accumulation_steps=8, remat_policy="full")
 mesh = make_mesh(cfg, topology.parse("v5p-64", 1).devices())
-gd, tx, sched, state = abstract_state(cfg, mesh)
+setup = abstract_state(cfg, mesh)
+state = setup.state
+step_fn = step_lib.jit_train_step(setup.graphdef, setup.tx, cfg, setup.schedule)
 with use_mesh(mesh, cfg.logical_axis_rules):
-    text = step_lib.jit_train_step(gd, tx, cfg, sched).lower(state, abstract_batch(cfg, mesh)).as_text()
+    text = step_fn.lower(state, abstract_batch(cfg, mesh)).as_text()
 print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "hlo": len(text),
                   "params": sum(x.size for x in __import__("jax").tree.leaves(state.params))}))
 """

@@ -9,7 +9,7 @@ import numpy as np
 from ling2.config import load_config
 from ling2.checkpoint.manager import Checkpointer
 from ling2.train import loop, runtime
-from ling2.train.state import fields, init_state, load_parameters
+from ling2.train.state import abstract_state, fields, init_state, load_parameters
 from ling2.train.data import make_iterator_factory
 from ling2.train.testing import e2e
 from ling2.train.train import find_file
@@ -24,9 +24,10 @@ def test_new_run_starts_from_given_weights(tmp_path):
 
     b = cfg.model_copy(update={"load_parameters_path": str(tmp_path / "a" / "checkpoints" / "2")})
     mesh = runtime.make_mesh(b, devices)
-    gd, tx, _, fresh = init_state(b, mesh)
+    setup = abstract_state(b, mesh)
+    fresh = init_state(b, mesh, setup)
     fresh_leaves = [np.array(x) for x in jax.tree.leaves(fresh.params)]
-    started = load_parameters(b, gd, fresh, tx)
+    started = load_parameters(b, setup, fresh)
 
     ck = Checkpointer(tmp_path / "a" / "checkpoints", cfg)
     saved, _ = ck.restore(2, fields(fresh), None)

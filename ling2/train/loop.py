@@ -30,7 +30,7 @@ from ling2.train import step as step_lib
 from ling2.train.eval import Evaluator
 from ling2.train.metrics import MetricsWriter, progress_line
 from ling2.train.runtime import batch_sharding, make_mesh, peak_flops_per_device, to_global
-from ling2.train.state import TrainState, abstract_state, fields, init_state, load_parameters
+from ling2.train.state import TrainSetup, TrainState, abstract_state, fields, init_state, load_parameters
 
 
 class TrainingError(RuntimeError):
@@ -73,19 +73,17 @@ def host_peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def compile_train_step(cfg, mesh, abstract=None, phases: dict | None = None):
-    """The trainer's own step, lowered and compiled against abstract state and batch (nothing is
-    materialised). `abstract`: `abstract_state(cfg, mesh)` if already built. `phases`, if given,
-    gets the lowering's seconds and the host's peak RSS once lowered (before XLA compiles).
-    Returns (compiled, abstract TrainState)."""
-    gd, tx, sched, state = abstract or abstract_state(cfg, mesh)
+def compile_train_step(cfg, mesh, setup: TrainSetup, phases: dict | None = None):
+    """The trainer's own step, lowered and compiled against `setup`'s abstract state (from
+    `abstract_state`) and an abstract batch: nothing is materialised. `phases`, if given, gets the
+    lowering's seconds and the host's peak RSS once lowered (before XLA compiles)."""
+    step_fn = step_lib.jit_train_step(setup.graphdef, setup.tx, cfg, setup.schedule)
     with use_mesh(mesh, cfg.logical_axis_rules):
         t0 = time.perf_counter()
-        lowered = step_lib.jit_train_step(gd, tx, cfg, sched).lower(state, abstract_batch(cfg, mesh))
+        lowered = step_fn.lower(setup.state, abstract_batch(cfg, mesh))
         if phases is not None:
             phases.update(lower_s=time.perf_counter() - t0, host_peak_rss_lowered_bytes=host_peak_rss_bytes())
-        compiled = lowered.compile()
-    return compiled, state
+        return lowered.compile()
 
 
 MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes",
@@ -95,7 +93,7 @@ MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in
 def dry_run(cfg, mesh, log: Callable[[str], None] = print) -> dict:
     """Compiles the train step for `mesh` from abstract state (no data, nothing materialised) and
     logs XLA's memory analysis per device. Returns {field: bytes, "total": bytes}."""
-    compiled, _ = compile_train_step(cfg, mesh)
+    compiled = compile_train_step(cfg, mesh, abstract_state(cfg, mesh))
     mem = compiled.memory_analysis()
     log("dry run: train step compiled; memory per device (XLA memory analysis):")
     out, total = {}, 0
@@ -203,24 +201,24 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
     elif cfg.load_parameters_path:
         check_load_parameters_path(cfg.load_parameters_path)
 
-    gd, tx, sched, abstract = abstract_state(cfg, mesh)
+    setup = abstract_state(cfg, mesh)
     log(f"model: {cfg.model_name}, {count_params(cfg)['total'] / 1e6:.2f}M params, "
         f"mesh {dict(mesh.shape)}")
-    step_fn = step_lib.jit_train_step(gd, tx, cfg, sched)
+    step_fn = step_lib.jit_train_step(setup.graphdef, setup.tx, cfg, setup.schedule)
     start = resume or 0
     if resume is not None:
-        restored, _ = ckpt.restore(resume, fields(abstract), train_iter)
+        restored, _ = ckpt.restore(resume, fields(setup.state), train_iter)
         state = TrainState(**restored)
         log(f"resumed from {ckpt.step_dir(resume)} (step {resume})")
     else:
-        gd, tx, sched, state = init_state(cfg, mesh)
+        state = init_state(cfg, mesh, setup)
         if cfg.load_parameters_path:
-            state = load_parameters(cfg, gd, state, tx)
+            state = load_parameters(cfg, setup, state)
             log(f"initial weights from {cfg.load_parameters_path}")
     meta = {"global_batch": cfg.global_batch_size(mesh.size)}
 
     writer = MetricsWriter(run_dir, tensorboard=tensorboard, start_step=start)
-    evaluator = Evaluator(cfg, mesh, gd, make_iter) if cfg.eval_interval else None
+    evaluator = Evaluator(cfg, mesh, setup.graphdef, make_iter) if cfg.eval_interval else None
     flops_tok = training_flops_per_token(cfg)
     peak = peak_flops_per_device() * mesh.size
     losses, stopped, skips = {}, False, 0

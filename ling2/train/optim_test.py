@@ -55,7 +55,7 @@ def test_decay_mask_by_role_is_the_same_scanned_and_unscanned(embeddings):
     assert sum(norm_or_bias(p) for p in want) == 56 + 10  # every norm scale and expert bias of the tiny model
 
     got = _mask_leaves(scan_cfg)
-    shapes = {tuple(map(str, p)): v.shape for p, v in ckpt_state.abstract_state(scan_cfg).items()}
+    shapes = {tuple(map(str, p)): v.shape for p, v in ckpt_state.model_leaves(scan_cfg).items()}
     assert any(len(shapes[p]) == 2 and p[-1] == "weight" for p in got)  # stacked [n, D] norm scales exist
     as_arrays = unflat({p: np.full(shapes[p], float(m)) for p, m in got.items()})
     moved = flat(ckpt_state.relayout(as_arrays, scan_cfg, flat_cfg))

@@ -72,8 +72,8 @@ def test_optimizer_state_is_sharded_like_its_parameters():
 
     cfg = load_config(model_name="ling2-micro", ici_fsdp_parallelism=2, ici_expert_parallelism=2, ici_tensor_parallelism=2)
     m = runtime.make_mesh(cfg)
-    _, _, _, abstract = abstract_state(cfg, m)
-    _, _, _, real = init_state(cfg, m)
+    setup = abstract_state(cfg, m)
+    abstract, real = setup.state, init_state(cfg, m, setup)
     param_specs = [x.sharding.spec for x in jax.tree.leaves(abstract.params)]
     assert any(s != P() for s in param_specs)
     for tree in (abstract.opt_state, real.opt_state):

@@ -2,16 +2,18 @@
 
 `abstract_state` traces the model and optimizer with `jax.eval_shape` only, so a plan of any
 size (the real 16B model included) costs no memory: it is what `--dry_run` and the compile
-tool lower against. `init_state` materialises the same state, each parameter born in its
-sharding (the full model never sits on one device).
+tool lower against, and what a run builds once to restore into or initialise. `init_state`
+materialises that state, each parameter born in its sharding (the full model never sits on
+one device).
 """
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -31,6 +33,15 @@ class TrainState:
     opt_state: Any
     skipped: jax.Array  # consecutive non-finite steps
     skipped_total: jax.Array
+
+
+class TrainSetup(NamedTuple):
+    """What a run trains with: the model's structure, the optimizer, its schedule and the state
+    (of ShapeDtypeStructs carrying their shardings from `abstract_state`)."""
+    graphdef: nnx.GraphDef
+    tx: optax.GradientTransformation
+    schedule: Callable  # optimizer update count -> learning rate
+    state: TrainState
 
 
 def fields(state: TrainState) -> dict:
@@ -53,13 +64,12 @@ def _counters(mesh):
     return [jax.device_put(jnp.zeros((), jnp.int32), replicated, may_alias=False) for _ in range(3)]
 
 
-def abstract_state(cfg, mesh, seed: Optional[int] = None):
-    """(graphdef, optimizer, lr schedule, TrainState of ShapeDtypeStructs carrying their shardings).
+def abstract_state(cfg, mesh) -> TrainSetup:
+    """The TrainSetup of `cfg` on `mesh`, its state ShapeDtypeStructs carrying their shardings.
 
     Optimizer state per parameter (Adam's moments: optax rebuilds the params' Variables, names
     included) is sharded as its parameter; counters are replicated."""
-    seed = cfg.seed if seed is None else seed
-    gd, params, rest = jax.eval_shape(functools.partial(_build, cfg, seed))
+    gd, params, rest = jax.eval_shape(functools.partial(_build, cfg, cfg.seed))
     tx, sched = make_optimizer(cfg, params)
     replicated = NamedSharding(mesh, PartitionSpec())
     params = _with_shardings(params, state_shardings(params, mesh, cfg.logical_axis_rules))
@@ -67,8 +77,8 @@ def abstract_state(cfg, mesh, seed: Optional[int] = None):
     opt = jax.eval_shape(tx.init, params)
     opt = _with_shardings(opt, state_shardings(opt, mesh, cfg.logical_axis_rules))
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    return gd, tx, sched, TrainState(step=scalar, params=params, rest=rest, opt_state=opt, skipped=scalar,
-                                     skipped_total=scalar)
+    state = TrainState(step=scalar, params=params, rest=rest, opt_state=opt, skipped=scalar, skipped_total=scalar)
+    return TrainSetup(graphdef=gd, tx=tx, schedule=sched, state=state)
 
 
 def _with_shardings(tree, shardings):
@@ -81,32 +91,30 @@ def _with_shardings(tree, shardings):
     return treedef.unflatten([jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, sh)])
 
 
-def init_state(cfg, mesh, seed: Optional[int] = None):
-    """(graphdef, optimizer, lr schedule, TrainState) built for real, sharded on `mesh`."""
-    seed = cfg.seed if seed is None else seed
-    gd, tx, sched, abstract = abstract_state(cfg, mesh, seed)
+def init_state(cfg, mesh, setup: TrainSetup) -> TrainState:
+    """`setup.state` built for real from cfg.seed, each array in its sharding."""
+    abstract = setup.state
     shardings = jax.tree.map(lambda x: x.sharding, (abstract.params, abstract.rest))
 
     @functools.partial(jax.jit, out_shardings=shardings)
     def make():
-        _, p, r = _build(cfg, seed)
+        _, p, r = _build(cfg, cfg.seed)
         return p, r
 
     with use_mesh(mesh, cfg.logical_axis_rules):
         params, rest = make()
-    opt_state = jax.jit(tx.init, out_shardings=jax.tree.map(lambda x: x.sharding, abstract.opt_state))(params)
+    opt_state = jax.jit(setup.tx.init, out_shardings=jax.tree.map(lambda x: x.sharding, abstract.opt_state))(params)
     step, skipped, skipped_total = _counters(mesh)
-    state = TrainState(step=step, params=params, rest=rest, opt_state=opt_state, skipped=skipped,
-                       skipped_total=skipped_total)
-    return gd, tx, sched, state
+    return TrainState(step=step, params=params, rest=rest, opt_state=opt_state, skipped=skipped,
+                      skipped_total=skipped_total)
 
 
-def load_parameters(cfg, gd, state: TrainState, tx) -> TrainState:
-    """Replaces the initial weights with a checkpoint's (same shardings); fresh optimizer state."""
-    model = nnx.merge(gd, state.params, state.rest)
+def load_parameters(cfg, setup: TrainSetup, state: TrainState) -> TrainState:
+    """`state` with cfg.load_parameters_path's weights (same shardings) and a fresh optimizer state."""
+    model = nnx.merge(setup.graphdef, state.params, state.rest)
     shardings = jax.tree.map(lambda x: x.sharding, (state.params, state.rest))
     load_into(model, cfg.load_parameters_path, cfg)
     _, params, rest = nnx.split(model, trainable_filter(cfg), ...)
     params, rest = jax.device_put((params, rest), shardings)
-    opt_state = jax.jit(tx.init, out_shardings=jax.tree.map(lambda x: x.sharding, state.opt_state))(params)
+    opt_state = jax.jit(setup.tx.init, out_shardings=jax.tree.map(lambda x: x.sharding, state.opt_state))(params)
     return state.replace(params=params, rest=rest, opt_state=opt_state)

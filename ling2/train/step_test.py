@@ -118,6 +118,24 @@ def test_bias_updated_once_per_optimizer_step_from_summed_counts():
     assert not any("expert_bias" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(s.params))
 
 
+def test_bias_update_moves_each_row_of_a_scanned_stack_by_its_layer_counts():
+    """A scanned group stacks its layers' biases [n, E]: row g is moved by layer g's counts alone."""
+    cfg = load_config(**{**MICRO, "model_name": "ling2-tiny", "base_num_decoder_layers": 15, "scan_layers": True,
+                         "routed_bias_update_rate": 0.01})
+    model = Ling2Model(cfg, rngs=nnx.Rngs(0))
+    gd, params, rest = nnx.split(model, trainable_filter(cfg), ...)
+    before = [(np.asarray(v[...]), idx) for v, idx in model.expert_biases()]
+    assert any(len(idx) > 1 for _, idx in before)
+    r = np.random.default_rng(0)
+    counts = {i: jnp.asarray(r.integers(0, 50, cfg.num_experts), jnp.float32) for _, idx in before for i in idx}
+    moved = nnx.merge(gd, *(S.update_expert_biases(t, counts, cfg) for t in (params, rest)))
+    for (old, idx), (var, _) in zip(before, moved.expert_biases()):
+        rows = old.reshape(len(idx), -1)
+        want = np.stack([update_routed_bias(jnp.asarray(rows[g]), counts[i], 0.01, cfg.routed_bias_zero_mean_update)
+                         for g, i in enumerate(idx)])
+        np.testing.assert_array_equal(np.asarray(var[...]), want.reshape(old.shape))
+
+
 def test_non_finite_step_is_skipped():
     cfg, gd, s, f = make()
     b = batch(1, 2)

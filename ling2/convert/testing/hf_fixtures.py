@@ -5,7 +5,7 @@ import json
 import numpy as np
 
 from ling2.checkpoint.safetensors_io import ShardedWriter
-from ling2.checkpoint.state import abstract_state
+from ling2.checkpoint.state import model_leaves
 from ling2.convert import hf_config, mapping
 
 
@@ -15,7 +15,7 @@ def write_random_hf(directory, cfg, layout="bailing", drop=(), rename=None, extr
 
     drop: names left out; rename: {old: new}; extra: tensors added or replacing generated ones.
     """
-    leaves = abstract_state(cfg)
+    leaves = model_leaves(cfg)
     rng = np.random.default_rng(seed)
     tensors = {}
     for e in mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()}):
@@ -32,5 +32,5 @@ def write_random_hf(directory, cfg, layout="bailing", drop=(), rename=None, extr
 
 def mtp_names(cfg, layout="bailing"):
     """The HF names of `cfg`'s MTP tensors in `layout` (to drop, as transformers' save_pretrained of Ling 3 does)."""
-    leaves = abstract_state(cfg)
+    leaves = model_leaves(cfg)
     return [e.hf for e in mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()}) if e.mtp]

@@ -54,7 +54,7 @@ def _status_bytes(field: str) -> int:
 
 def child(args) -> None:
     """Runs one conversion in this (fresh) process and prints a JSON line of its numbers."""
-    from ling2.checkpoint.state import CONFIG_NAME, abstract_state, read_config
+    from ling2.checkpoint.state import CONFIG_NAME, model_leaves, read_config
     from ling2.convert import convert, hf_config
     from ling2.layers.model import abstract_model
 
@@ -65,10 +65,10 @@ def child(args) -> None:
     t0 = time.perf_counter()  # the config and leaf shapes alone, for the table (the conversion does them again)
     if args.child == "hf_to_ling2":
         hf = convert.read_hf_config(args.src)
-        abstract_state(hf_config.load_ling2_config(hf, hf_config.detect_layout(hf), {
+        model_leaves(hf_config.load_ling2_config(hf, hf_config.detect_layout(hf), {
             "scan_layers": args.scan_layers, "weight_dtype": convert.DTYPES[args.dtype]}))
     else:
-        abstract_state(read_config(Path(args.src) / CONFIG_NAME))
+        model_leaves(read_config(Path(args.src) / CONFIG_NAME))
     shapes = time.perf_counter() - t0
     abstract_model.cache_clear()  # the timed conversion traces the model again
     t0, c0 = time.perf_counter(), os.times()

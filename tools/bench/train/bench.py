@@ -41,7 +41,7 @@ def bench_model(name: str) -> dict:
     from ling2.layers.model import count_params, training_flops_per_token
     from ling2.train import runtime
     from ling2.train import step as step_lib
-    from ling2.train.state import init_state
+    from ling2.train.state import abstract_state, init_state
     from ling2.train.data import make_iterator_factory
     from ling2.train.train import find_file
 
@@ -51,8 +51,9 @@ def bench_model(name: str) -> dict:
         over["dataset_type"] = "synthetic"
     cfg = load_config(over, config_file=find_file("configs/train/tiny_sample.yml"))
     mesh = runtime.make_mesh(cfg)
-    gd, tx, sched, state = init_state(cfg, mesh)
-    step_fn = step_lib.jit_train_step(gd, tx, cfg, sched)
+    setup = abstract_state(cfg, mesh)
+    state = init_state(cfg, mesh, setup)
+    step_fn = step_lib.jit_train_step(setup.graphdef, setup.tx, cfg, setup.schedule)
     it = make_iterator_factory(find_file)(cfg, "train", mesh.size)
     with sharding.use_mesh(mesh, cfg.logical_axis_rules):
         batch = runtime.to_global(next(it), cfg, mesh)
