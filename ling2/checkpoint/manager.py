@@ -35,7 +35,6 @@ import logging
 import os
 import shutil
 import signal
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
@@ -48,6 +47,7 @@ import orbax.checkpoint as ocp
 from ling2.checkpoint import save_noise
 from ling2.checkpoint.state import CONFIG_NAME, CheckpointError, read_config
 from ling2.config import ConfigError, load_config
+from ling2.config.files import crc32
 from ling2.config.schema import RESUME_FIXED, RESUME_WARN, resume_class
 
 CHECKSUMS = "checksums.json"
@@ -55,7 +55,6 @@ CONFIG_ITEM = "config"
 REJECTED = ".rejected"
 ITEMS = ("state", "meta", CONFIG_ITEM)  # and "data" when the run has a data iterator
 SEALED = "-sealed"  # appended to orbax's temporary name: the step is whole, its checksums not yet written
-_CHUNK = 8 << 20
 
 KILL_ENV = "LING2_CHECKPOINT_KILL"
 SAVE_PHASES = (
@@ -96,14 +95,6 @@ def snapshot(tree, memory_kind=None):
     return jax.tree.unflatten(treedef, leaves)
 
 
-def _crc(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
 def _files(step_dir: Path) -> list[str]:
     """Every file under a step directory but the checksum file, as sorted relative paths."""
     return sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS)
@@ -113,7 +104,7 @@ def write_checksums(step_dir) -> dict:
     """Records {file: [size, crc32]} of every file of a finished step directory in checksums.json
     (written to a temporary name, then renamed: the file exists only once it is whole)."""
     step_dir = Path(step_dir)
-    files = {f: [(step_dir / f).stat().st_size, _crc(step_dir / f)] for f in _files(step_dir)}
+    files = {f: [(step_dir / f).stat().st_size, crc32(step_dir / f)] for f in _files(step_dir)}
     tmp = step_dir / (CHECKSUMS + ".tmp")
     tmp.write_text(json.dumps({"algorithm": "crc32", "files": files}, indent=0))
     os.replace(tmp, step_dir / CHECKSUMS)
@@ -149,7 +140,7 @@ def verify(step_dir, items=ITEMS, part: int = 0, parts: int = 1) -> Optional[str
         have = (step_dir / f).stat().st_size
         if have != size:
             return f"{f}: {have} bytes, {size} when saved"
-        if _crc(step_dir / f) != crc:
+        if crc32(step_dir / f) != crc:
             return f"{f}: checksum mismatch (its bytes changed after the save)"
     return None
 

@@ -15,15 +15,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import zlib
 from typing import Optional, Sequence
 
 import numpy as np
 
+from ling2.config.files import crc32
 from ling2.data.errors import DataError
 
 FILES = "files"  # the description's {name: {"bytes": size, "crc32": crc}} of the set's .npy files
-_CHUNK = 8 << 20
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +33,6 @@ def description_path(base: str) -> str:
 
 def npy_path(base: str, name: str) -> str:
     return f"{base}-{name}.npy"
-
-
-def crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def save(base: str, arrays: dict, description: str) -> None:

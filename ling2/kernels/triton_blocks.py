@@ -4,6 +4,8 @@ product, and the results sliced back) and the in-kernel matmul."""
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 
 def pow2(n: int) -> int:
@@ -28,3 +30,25 @@ def dot(a, b, dt, ta=False, tb=False):
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
     prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
     return jax.lax.dot_general(a.astype(dt), b.astype(dt), dims, precision=prec, preferred_element_type=jnp.float32)
+
+
+def grid_call(kernel, args, outs, kinds, BV, interpret, num_warps=4):
+    """The kernel on grid (B, H, V / BV): one program per batch row, head and block of BV value columns.
+    kinds[i] for each arg then output: "full" (the whole per-head array), "v" (last dim, V, split into
+    blocks of BV) or "part" (one slice per V block on a leading axis: per-block partial sums)."""
+    B, H = args[0].shape[:2]
+    NV = next(x for x, kd in zip(list(args) + list(outs), kinds) if kd == "v").shape[-1] // BV
+
+    def spec(x, kind):
+        if kind == "part":
+            return pl.BlockSpec((None, None, None) + x.shape[3:], lambda b, h, j: (j, b, h) + (0,) * (x.ndim - 3))
+        if kind == "v":
+            return pl.BlockSpec((None, None) + x.shape[2:-1] + (BV,),
+                                lambda b, h, j: (b, h) + (0,) * (x.ndim - 3) + (j,))
+        return pl.BlockSpec((None, None) + x.shape[2:], lambda b, h, j: (b, h) + (0,) * (x.ndim - 2))
+
+    return pl.pallas_call(
+        kernel, grid=(B, H, NV), in_specs=[spec(a, kd) for a, kd in zip(args, kinds)],
+        out_specs=[spec(o, kd) for o, kd in zip(outs, kinds[len(args):])], out_shape=outs, interpret=interpret,
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+    )(*args)

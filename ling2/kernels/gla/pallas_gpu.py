@@ -22,10 +22,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from ling2.kernels import vma
-from ling2.kernels.triton_blocks import dot, pad_last, pad_state, pow2
+from ling2.kernels.triton_blocks import dot, grid_call, pad_last, pad_state, pow2
 
 BLOCK_V = 64  # state columns per program
 
@@ -87,26 +86,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref, 
 
 
 
-def _call(kernel, args, outs, kinds, BV, interpret, num_warps=4):
-    """Grid (B, H, V / BV). kinds[i] for each arg then output: "full" (whole [T, ...] per head),
-    "v" (last dim split into V blocks of BV) or "part" (per-V-block partial sums, leading axis)."""
-    B, H = args[0].shape[:2]
-    NV = args[2].shape[-1] // BV
-
-    def spec(x, kind):
-        if kind == "part":
-            return pl.BlockSpec((None, None, None) + x.shape[3:], lambda b, h, j: (j, b, h) + (0,) * (x.ndim - 3))
-        if kind == "v":
-            return pl.BlockSpec((None, None) + x.shape[2:-1] + (BV,), lambda b, h, j: (b, h) + (0,) * (x.ndim - 3) + (j,))
-        return pl.BlockSpec((None, None) + x.shape[2:], lambda b, h, j: (b, h) + (0,) * (x.ndim - 2))
-
-    return pl.pallas_call(
-        kernel, grid=(B, H, NV), in_specs=[spec(a, kd) for a, kd in zip(args, kinds)],
-        out_specs=[spec(o, kd) for o, kd in zip(outs, kinds[len(args):])], out_shape=outs, interpret=interpret,
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-    )(*args)
-
-
 def supports_chunk(C):
     """Triton block shapes: the chunk must be a power of two >= 16."""
     return C >= 16 and C & (C - 1) == 0
@@ -127,7 +106,7 @@ def forward(q, k, v, aux, h0, scale, C, *, interpret=False, block_v=None):
     args = (pad_last(q, K), pad_last(k, K), pad_last(v, V)) + aux4 + (pad_state(h0, K, V),)
     outs = [vma.out_struct((B, H, T, V), q.dtype, q), vma.out_struct((B, H, K, V), jnp.float32, q)]
     kinds = ("full", "full", "v") + ("full",) * 4 + ("v", "v", "v")
-    o_BHTV, hT_BHKV = _call(functools.partial(_fwd_kernel, scale=scale, C=C), args, outs, kinds, BV, interpret)
+    o_BHTV, hT_BHKV = grid_call(functools.partial(_fwd_kernel, scale=scale, C=C), args, outs, kinds, BV, interpret)
     return o_BHTV[..., :V0], hT_BHKV[:, :, :K0, :V0]
 
 
@@ -144,9 +123,9 @@ def backward(q, k, v, aux, h0, do, dhT, scale, C, *, interpret=False, block_v=No
     qkvdo = (pad_last(q, K), pad_last(k, K), pad_last(v, V), pad_last(do, V))
     kinds_in = ("full", "full", "v", "v") + ("full",) * 4 + ("v",)
     part = vma.out_struct((NV, B, H, T, K), f32, q)
-    (dq_PBHTK,) = _call(functools.partial(_dq_kernel, scale=scale, C=C), qkvdo + aux4 + (pad_state(h0, K, V),),
+    (dq_PBHTK,) = grid_call(functools.partial(_dq_kernel, scale=scale, C=C), qkvdo + aux4 + (pad_state(h0, K, V),),
                         [part], kinds_in + ("part",), BV, interpret)
-    dk_PBHTK, dv_BHTV, dh0_BHKV = _call(
+    dk_PBHTK, dv_BHTV, dh0_BHKV = grid_call(
         functools.partial(_dkdv_kernel, scale=scale, C=C), qkvdo + aux4 + (pad_state(dhT, K, V),),
         [part, vma.out_struct((B, H, T, V), f32, q), vma.out_struct((B, H, K, V), f32, q)],
         kinds_in + ("part", "v", "v"), BV, interpret)

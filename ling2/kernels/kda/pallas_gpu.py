@@ -28,12 +28,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from ling2.kernels import vma
 from ling2.kernels.kda import chunk_math as chunk
 from ling2.kernels.kda import chunked
-from ling2.kernels.triton_blocks import dot, pad_last, pad_state, pow2
+from ling2.kernels.triton_blocks import dot, grid_call, pad_last, pad_state, pow2
 
 _HI = jax.lax.Precision.HIGHEST
 BLOCK_V = 64  # state columns per program
@@ -85,25 +84,6 @@ def _reverse_kernel(W_ref, kw_ref, lam_ref, Vc_ref, dhT_ref, G_ref, dh0_ref, *, 
     dh0_ref[...] = jax.lax.fori_loop(0, N, body, dhT_ref[...])
 
 
-def _call(kernel, args, outs, kinds, BV, interpret, num_warps=4):
-    """Grid (B, H, V / BV). kinds[i] for each arg then output: "full" (whole per-head array) or "v" (last dim
-    split into V blocks of BV)."""
-    B, H = args[0].shape[:2]
-    NV = outs[-1].shape[-1] // BV
-
-    def spec(x, kind):
-        if kind == "v":
-            return pl.BlockSpec((None, None) + x.shape[2:-1] + (BV,),
-                                lambda b, h, j: (b, h) + (0,) * (x.ndim - 3) + (j,))
-        return pl.BlockSpec((None, None) + x.shape[2:], lambda b, h, j: (b, h) + (0,) * (x.ndim - 2))
-
-    return pl.pallas_call(
-        kernel, grid=(B, H, NV), in_specs=[spec(a, kd) for a, kd in zip(args, kinds)],
-        out_specs=[spec(o, kd) for o, kd in zip(outs, kinds[len(args):])], out_shape=outs, interpret=interpret,
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-    )(*args)
-
-
 def _check(C):
     if C < 16 or C & (C - 1):
         raise ValueError(f"pallas_gpu: chunk_size={C} must be a power of two >= 16 (Triton block shapes)")
@@ -136,7 +116,7 @@ def forward(q, k, v, g, beta, aux, h0, scale, C, *, interpret=False, block_v=Non
     _, _, ops, K, V = _sweep_inputs(q, k, v, g, beta, aux, scale, C)
     outs = [vma.out_struct((B, H, T, V), q.dtype, q), vma.out_struct((B, H, K, V), jnp.float32, q)]
     args = tuple(ops[n] for n in ("qa", "A", "U", "W", "kw", "lam")) + (pad_state(h0, K, V),)
-    o_BHTV, hT_BHKV = _call(functools.partial(_fwd_kernel, scale=scale, C=C), args, outs,
+    o_BHTV, hT_BHKV = grid_call(functools.partial(_fwd_kernel, scale=scale, C=C), args, outs,
                             ("full", "full", "v", "full", "full", "full", "v", "v", "v"), _block(V, block_v), interpret)
     return o_BHTV[..., :V0], hT_BHKV[:, :, :K0, :V0].astype(h0.dtype)
 
@@ -150,7 +130,7 @@ def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C, *, interpret=False, b
     f32, dt = jnp.float32, q.dtype
     chunks, p, ops, K, V = _sweep_inputs(q, k, v, g, beta, aux, scale, C, do)
     BV = _block(V, block_v)
-    S_BHNKV = _call(functools.partial(_states_kernel, C=C),
+    S_BHNKV = grid_call(functools.partial(_states_kernel, C=C),
                     (ops["U"], ops["W"], ops["kw"], ops["lam"], pad_state(h0, K, V)),
                     [vma.out_struct((B, H, N, K, V), f32, q)], ("v", "full", "full", "full", "v", "v"), BV,
                     interpret)[0]
@@ -160,7 +140,7 @@ def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C, *, interpret=False, b
     qa_BHNCK = (chunks[0] * p["alpha"]).astype(dt)
     Vc_BHNKV = scale * ein("...ck,...cv->...kv", qa_BHNCK, do_BHNCV) - ein(
         "...ck,...cv->...kv", p["W"], ein("...ic,...iv->...cv", p["Aqk"], do_BHNCV))
-    G_BHNKV, dh0_BHKV = _call(
+    G_BHNKV, dh0_BHKV = grid_call(
         functools.partial(_reverse_kernel, C=C),
         (ops["W"], ops["kw"], ops["lam"], pad_state(Vc_BHNKV, K, V), pad_state(dhT, K, V)),
         [vma.out_struct((B, H, N, K, V), f32, q), vma.out_struct((B, H, K, V), f32, q)],
