@@ -2,7 +2,22 @@
 decided for the platform a computation is lowered for (`jax.lax.platform_dependent`), not from the
 host's devices, so a CPU host compiling for a TPU or a GPU builds the kernels that platform runs."""
 
+import functools
+
 import jax
+
+
+def backend_kernels(chunked, pallas_tpu, pallas_gpu):
+    """kernels(backend, interpret) -> (forward, backward) of an op's backend modules, for `run_kernel`."""
+
+    def kernels(backend, interpret):
+        if backend == "chunked":
+            return chunked.forward, chunked.backward
+        mod = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[backend]
+        return (functools.partial(mod.forward, interpret=interpret),
+                functools.partial(mod.backward, interpret=interpret))
+
+    return kernels
 
 
 def run_kernel(kernels, resolve, acc_dtype, which, backend, interpret, scale, C, *args):

@@ -62,12 +62,7 @@ def prepare_aux(g_BTH, doc_BT, C):
     return {"b": flat(b_BHNC), "doc": flat(doc_B1NC), "alpha": flat(alpha_BHNC), "w": flat(w_BHNC)}
 
 
-def _kernels(backend, interpret):
-    if backend == "chunked":
-        return chunked.forward, chunked.backward
-    mod = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[backend]
-    return (functools.partial(mod.forward, interpret=interpret),
-            functools.partial(mod.backward, interpret=interpret))
+_kernels = dispatch.backend_kernels(chunked, pallas_tpu, pallas_gpu)
 
 
 def _run_kernel(which, backend, interpret, scale, C, *args):

@@ -64,12 +64,7 @@ def prepare_docs(doc_BT, C):
     return {"doc": flat(doc_BNC), "first": flat(doc_BNC == before_BN1), "last": flat(doc_BNC == end_BN1)}
 
 
-def _kernels(backend, interpret):
-    if backend == "chunked":
-        return chunked.forward, chunked.backward
-    mod = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}[backend]
-    return (functools.partial(mod.forward, interpret=interpret),
-            functools.partial(mod.backward, interpret=interpret))
+_kernels = dispatch.backend_kernels(chunked, pallas_tpu, pallas_gpu)
 
 
 def _run_kernel(which, backend, interpret, scale, C, *args):
