@@ -26,7 +26,7 @@ from flax import nnx
 
 from ling2.checkpoint.safetensors_io import INDEX_NAME, PlannedWriter, SafetensorsError, ShardedReader
 from ling2.config import ConfigError, load_config, to_yaml
-from ling2.config.loader import load_yaml
+from ling2.config.loader import load_yaml, without_removed
 from ling2.layers.model import abstract_model
 from ling2.layers.plan import layer_plan
 
@@ -99,7 +99,7 @@ def read_config(path, *overrides):
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: not a Ling2 config (a mapping of key: value)")
     try:
-        return load_config(data, *overrides)
+        return load_config(without_removed(data), *overrides)
     except ConfigError as e:
         raise CheckpointError(f"{path}: {e}") from None
 

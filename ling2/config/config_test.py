@@ -6,14 +6,12 @@ layer-type rule of the HF reference (BailingMoeV2_5), computed by hand.
 
 import pytest
 
-from ling2.config import Config, ConfigError, DecoderBlockType, load_config
+from ling2.config import Config, ConfigError, load_config
 from ling2.config.loader import BASE_CONFIG, CONFIGS_DIR
 
 
 def test_rfc_ling2_values():
     cfg = load_config(model_name="ling2")
-    assert cfg.decoder_block is DecoderBlockType.LING2
-    assert cfg.decoder_block.value == "ling2"
     assert cfg.inhomogeneous_layer_cycle_interval == 5
     assert cfg.first_num_dense_layers == 1
     assert cfg.moe_shared_expert_dim == 2048
@@ -99,6 +97,18 @@ def test_base_yml_defines_every_field():
 def test_unknown_key_names_close_matches():
     with pytest.raises(ConfigError, match=r"unknown config key 'num_expert'.*num_experts"):
         load_config("num_expert=4")
+
+
+@pytest.mark.parametrize("key, value", [("decoder_block", "ling2"), ("attention_type", "mla"), ("opt_type", "adamw"),
+                                        ("enable_dropout", False), ("dropout_rate", 0.0)])
+def test_removed_keys_are_named_errors(tmp_path, key, value):
+    """Keys Ling2 no longer reads are refused, in a file or an override, saying they were removed and why."""
+    with pytest.raises(ConfigError, match=rf"override: config key '{key}' was removed: .+; delete it"):
+        load_config(**{key: value})
+    f = tmp_path / "old.yml"
+    f.write_text(f"base_config: {BASE_CONFIG}\n{key}: {value!r}\n")
+    with pytest.raises(ConfigError, match=rf"{f}: config key '{key}' was removed"):
+        load_config(config_file=f)
 
 
 def test_unknown_key_in_file_names_file(tmp_path):

@@ -4,16 +4,10 @@ import enum
 from typing import Literal
 
 
-class DecoderBlockType(str, enum.Enum):
-    """Which decoder stack to build. Ling2 is the hybrid MLA/GLA MoE decoder."""
-
-    LING2 = "ling2"
-
-
 ModelName = Literal["default", "ling2", "ling2-tiny", "ling2-small", "ling2-micro", "ling3", "ling3-tiny", "ling3-small"]
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
-RoutedBiasDType = Literal["", "float32", "bfloat16", "float16", "float64"]
+DTypeOrDefault = Literal["", "float32", "bfloat16", "float16", "float64"]
 ScoreFunc = Literal["sigmoid", "softmax"]
 RopeType = Literal["default", "yarn"]
 RematPolicy = Literal["none", "full", "save_dot"]

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence, Union
 import pydantic
 import yaml
 
-from ling2.config.schema import GROUPS, Config
+from ling2.config.schema import GROUPS, REMOVED_KEYS, Config
 
 CONFIGS_DIR = Path(os.path.abspath(__file__)).parents[2] / "configs"  # runfiles tree under Bazel
 BASE_CONFIG = CONFIGS_DIR / "base.yml"
@@ -48,9 +48,16 @@ def _read_yaml(path: Path) -> dict:
 
 
 def _unknown(key: str, where: str) -> ConfigError:
+    if key in REMOVED_KEYS:
+        return ConfigError(f"{where}: config key {key!r} was removed: {REMOVED_KEYS[key]}; delete it")
     close = difflib.get_close_matches(key, Config.model_fields, n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     return ConfigError(f"{where}: unknown config key {key!r}{hint}")
+
+
+def without_removed(saved: Mapping[str, Any]) -> dict:
+    """A saved resolved config (a checkpoint's config.yml) without the keys Ling2 no longer reads."""
+    return {k: v for k, v in saved.items() if k not in REMOVED_KEYS}
 
 
 def _merge(into: dict, layer: Mapping[str, Any], where: str, sources: dict) -> None:

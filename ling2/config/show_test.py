@@ -17,7 +17,7 @@ def test_prints_resolved_yaml():
     data = yaml.safe_load(r.stdout)
     assert data["num_experts"] == 64
     assert data["moe_shared_expert_dim"] == 2048
-    assert data["decoder_block"] == "ling2"
+    assert data["mu_dtype"] == "" and "decoder_block" not in data
 
 
 def test_bad_config_exits_2_with_message():

@@ -71,12 +71,12 @@ def test_converted_gla_layer_matches_numpy_reference(tmp_path, scan):
                                       overrides=["dtype=float32", "gla_backend=naive"])
     model = nnx.eval_shape(lambda: Ling2Model(cfg, rngs=nnx.Rngs(0)))
     load_into(model, tmp_path / "l2", cfg)
-    layers = dict(model.decoder.layer_list())
+    layers = dict(model.decoder.unstacked())
     x = np.random.default_rng(1).standard_normal((2, 9, cfg.emb_dim)).astype(np.float32)
     pos = np.broadcast_to(np.arange(9), (2, 9))
     for i in (0, 6):  # layer 0: unscanned prefix; layer 6: inside the first scanned group when scan
         assert cfg.layer_types[i] == "gla"
-        got = nnx.jit(lambda a, x: a(x, pos))(layers[i].attention, x)
+        got = nnx.jit(lambda a, x: a(x, pos, layer_index=i))(layers[i].attention, x)
         want = hf_gla_layer(w, f"model.layers.{i}.attention.", x.astype(np.float64), cfg, i)
         assert np.abs(want).max() > 0.05
         # GroupRMSNorm divides by a group's rms, which is small where q.k ~ 0 at t = 0, so a few

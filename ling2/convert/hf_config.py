@@ -270,12 +270,12 @@ def hf_to_overrides(hf: dict, layout: str) -> dict:
     if "num_key_value_heads" not in explicit and isinstance(kv, int) and kv > 0 and H % kv:
         kv = H  # the official default (4) does not divide these heads
     o = {
-        "decoder_block": "ling2", "vocab_size": _need(hf, "vocab_size", w), "base_emb_dim": E,
+        "vocab_size": _need(hf, "vocab_size", w), "base_emb_dim": E,
         "base_mlp_dim": _need(hf, "intermediate_size", w), "base_num_decoder_layers": _need(hf, "num_hidden_layers", w),
         "base_num_query_heads": H, "base_num_kv_heads": kv,
         "normalization_layer_epsilon": hf.get("rms_norm_eps", 1e-6),
         "logits_via_embedding": hf.get("tie_word_embeddings", False),
-        "init_std": hf.get("initializer_range", 0.02), "attention_type": "mla",
+        "init_std": hf.get("initializer_range", 0.02),
         "first_num_dense_layers": hf.get("first_k_dense_replace", 0),
         "q_lora_rank": hf.get("q_lora_rank") or 0, "kv_lora_rank": _need(hf, "kv_lora_rank", w),
         "qk_nope_head_dim": _need(hf, "qk_nope_head_dim", w), "qk_rope_head_dim": _need(hf, "qk_rope_head_dim", w),

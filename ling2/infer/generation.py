@@ -376,7 +376,7 @@ class Generator:
         self.vocab = model.decoder.embed.embedding.shape[0]
         self.num_mtp = 0 if model.mtp is None else len(model.mtp.depths)
         self.traces = {"prefill": 0, "decode": 0}
-        self.has_kda = any(layer.attn_type == "kda" for _, layer in model.decoder.layer_list())
+        self.has_kda = any(layer.attn_type == "kda" for _, layer in model.decoder.unstacked())
         self._run = jax.jit(self._generate, static_argnames=("lay", "N", "s", "stop_ids", "spec", "absorb", "packed"))
 
     def _generate(self, state, ids, pos, seg, lengths, key, packed_inputs, *, lay, N, s, stop_ids, spec, absorb,

@@ -1,8 +1,11 @@
 """The attention kinds of the hybrid, one registry entry each: adding a kind is its module plus one entry.
 
 Each entry holds what the rest of Ling2 needs of a kind:
-  module(cfg, layer_idx, rngs=...)   the layer (training forward and the decoding interface of
-                                     `ling2.layers.decode`: init_cache, prefill, step, accept, unpack);
+  module(cfg, rngs=...)              the layer: its training forward `(x, positions, segment_ids, *,
+                                     layer_index)` and the decoding interface of `ling2.layers.decode`
+                                     (init_cache, prefill, step, accept, unpack); `layer_index` is the
+                                     global index, traced in a scanned group, for kinds whose constants
+                                     depend on it (GLA's decays);
   matmul_params(cfg), mixing_flops(cfg, seq_len)   its FLOP count (`ling2.layers.model`);
   cache                              the type its init_cache returns;
   hf_params(layout)                  its weights' HF names (`ling2.convert.mapping`).

@@ -78,9 +78,9 @@ def hf_params(layout: str) -> list[tuple]:
 class GatedLinearAttention(nnx.Module):
     """Ling2 linear-attention layer. Call with x [B,T,E], positions [B,T], optional segment_ids [B,T]."""
 
-    def __init__(self, cfg, layer_idx: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
         E, H, D = cfg.emb_dim, cfg.num_query_heads, cfg.head_dim
-        self.H, self.D, self.layer_idx = H, D, layer_idx
+        self.H, self.D = H, D
         wdt = jnp.dtype(cfg.weight_dtype)
         init = nnx.initializers.normal(cfg.init_std)
 
@@ -99,8 +99,9 @@ class GatedLinearAttention(nnx.Module):
         self.rotary_dim = cfg.rotary_dim
         self.inv_freq = tuple(float(f) for f in yarn.rope_inv_freq(cfg))
         self.rope_scaling = yarn.rope_attention_scaling(cfg)
-        slopes = layer_slopes(H, layer_idx, cfg.num_decoder_layers, cfg.gla_slope_layer_offset)
-        self.log_decay = tuple(float(-s) for s in slopes)  # g_h = -slope_h, a constant
+        L = cfg.num_decoder_layers
+        self.log_decays = tuple(tuple(float(-s) for s in layer_slopes(H, i, L, cfg.gla_slope_layer_offset))
+                                for i in range(L))  # g_h = -slope_h of every layer index: constants
         self.dtype, self.chunk_size, self.backend = cfg.dtype, cfg.gla_chunk_size, cfg.gla_backend
         self.rules = sharding.rules_dict(cfg.logical_axis_rules)
 
@@ -144,19 +145,20 @@ class GatedLinearAttention(nnx.Module):
         out = jnp.einsum("bthd,hde->bte", o, self._w(self.dense))
         return sharding.constrain(out, ("activation_batch", "activation_length", "activation_embed"))
 
-    def _decay(self, log_decay=None):
-        return jnp.asarray(self.log_decay if log_decay is None else log_decay, jnp.float32)
+    def decay(self, layer_index):
+        """The layer's fp32 log-decays [H]; `layer_index` may be traced (a layer of a scanned group)."""
+        if isinstance(layer_index, int) and not 0 <= layer_index < len(self.log_decays):
+            raise ValueError(f"gla: layer_index={layer_index} outside [0, {len(self.log_decays)})")
+        return jnp.asarray(np.asarray(self.log_decays, np.float32))[layer_index]
 
-    def __call__(self, x_BTE, positions_BT, segment_ids_BT=None, log_decay=None):
-        """Training forward: out [B,T,E], the state restarting at every segment.
-
-        `log_decay`: optional [H] log-decays replacing this layer's own constants (a scanned
-        decoder passes each layer's as a scanned-over value)."""
+    def __call__(self, x_BTE, positions_BT, segment_ids_BT=None, *, layer_index):
+        """Training forward: out [B,T,E], the state restarting at every segment. `layer_index`: the layer's
+        global index, which sets its decays (traced under scan)."""
         B, T, _ = x_BTE.shape
         x, q, k, v = self._qkv(x_BTE, positions_BT)
         if segment_ids_BT is None:
             segment_ids_BT = jnp.zeros((B, T), jnp.int32)
-        o, _ = self._kernel(q, k, v, self._decay(log_decay), segment_ids_BT, None)
+        o, _ = self._kernel(q, k, v, self.decay(layer_index), segment_ids_BT, None)
         return self._out(x, o)
 
     # ---- cached decoding (ling2.layers.decode) ----
@@ -165,20 +167,20 @@ class GatedLinearAttention(nnx.Module):
         """The fp32 recurrent state [B, H, D, D] (one document per row; max_len is not needed)."""
         return GLACache(jnp.zeros((batch, self.H, self.D, self.D), jnp.float32))
 
-    def prefill(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts):
+    def prefill(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts, *, layer_index):
         """The chunked kernel from the cached state (segment ids reset it, so left padding never reaches a
         row's document); with opts.packed_docs also each row's first documents' end states."""
         x, q, k, v = self._qkv(x_BTE, positions_BT)
-        g = self._decay()
+        g = self.decay(layer_index)
         o, hT = self._kernel(q, k, v, g, segment_ids_BT, cache.state_BHKV)
         docs = gla.segment_end_states(k, v, g, segment_ids_BT, opts.packed_docs) if opts.packed_docs else None
         return self._out(x, o), GLACache(hT, docs_BNHKV=docs)
 
-    def step(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts):
+    def step(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts, *, layer_index):
         """One recurrence step per new token; with opts.history also the state after each."""
         T = x_BTE.shape[1]
         x, q, k, v = self._qkv(x_BTE, positions_BT)
-        g = self._decay()
+        g = self.decay(layer_index)
         o, states, hT = [], [], cache.state_BHKV
         for t in range(T):
             o_t, hT = gla.simple_gla_step(hT, q[:, t], k[:, t], v[:, t], g)

@@ -18,11 +18,13 @@ from ling2.layers import decode, sharding
 from ling2.layers.attention_gla import GatedLinearAttention, alibi_base_slopes, layer_slopes
 
 B, T = 2, 20
-_call = nnx.jit(lambda m, x, p, s=None: m(x, p, s))
+_call = nnx.jit(lambda m, x, p, s=None, i=2: m(x, p, s, layer_index=i), static_argnames="i")
 _OPTS = decode.DecodeOptions()
 # GLA's prefill and step need no slot bookkeeping (the recurrent state is the whole cache).
-_prefill = nnx.jit(lambda m, x, p, c: m.prefill(x, p, jnp.ones(x.shape[:2], jnp.int32), c, None, _OPTS))
-_step = nnx.jit(lambda m, x, p, c: m.step(x, p, jnp.ones(x.shape[:2], jnp.int32), c, None, _OPTS))
+_prefill = nnx.jit(lambda m, x, p, c, i: m.prefill(x, p, jnp.ones(x.shape[:2], jnp.int32), c, None, _OPTS,
+                                                   layer_index=i), static_argnames="i")
+_step = nnx.jit(lambda m, x, p, c, i: m.step(x, p, jnp.ones(x.shape[:2], jnp.int32), c, None, _OPTS, layer_index=i),
+                static_argnames="i")
 
 
 def _cfg(**overrides):
@@ -87,17 +89,17 @@ def _inputs(seed=0, t=T):
 ])
 def test_layer_matches_numpy_reference(overrides, layer_idx):
     cfg = _cfg(**overrides)
-    layer = GatedLinearAttention(cfg, layer_idx, rngs=nnx.Rngs(0))
+    layer = GatedLinearAttention(cfg, rngs=nnx.Rngs(0))
     _randomize_norms(layer, 1)
     x, pos = _inputs()
-    got = nnx.jit(lambda m, x, p: m(x, p))(layer, jnp.asarray(x), jnp.asarray(pos))
+    got = _call(layer, jnp.asarray(x), jnp.asarray(pos), i=layer_idx)
     want = _np_layer(cfg, _params(layer), x.astype(np.float64), pos, layer_idx, cfg.gla_slope_layer_offset)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 def test_packed_documents_match_separate_runs():
     cfg = _cfg()
-    layer = GatedLinearAttention(cfg, 1, rngs=nnx.Rngs(0))
+    layer = GatedLinearAttention(cfg, rngs=nnx.Rngs(0))
     x, _ = _inputs(2)
     cut = 7
     seg = np.array([[0] * cut + [1] * (T - cut)] * B)
@@ -110,13 +112,13 @@ def test_packed_documents_match_separate_runs():
 
 def test_prefill_then_decode_matches_full_sequence():
     cfg = _cfg()
-    layer = GatedLinearAttention(cfg, 3, rngs=nnx.Rngs(0))
+    layer = GatedLinearAttention(cfg, rngs=nnx.Rngs(0))
     x, pos = _inputs(3, t=11)
-    full = _call(layer, jnp.asarray(x), jnp.asarray(pos))
-    out, cache = _prefill(layer, jnp.asarray(x[:, :8]), jnp.asarray(pos[:, :8]), layer.init_cache(B, 16))
+    full = _call(layer, jnp.asarray(x), jnp.asarray(pos), i=3)
+    out, cache = _prefill(layer, jnp.asarray(x[:, :8]), jnp.asarray(pos[:, :8]), layer.init_cache(B, 16), 3)
     outs = [out]
     for t in range(8, 11):
-        o_t, cache = _step(layer, jnp.asarray(x[:, t:t + 1]), jnp.asarray(pos[:, t:t + 1]), cache)
+        o_t, cache = _step(layer, jnp.asarray(x[:, t:t + 1]), jnp.asarray(pos[:, t:t + 1]), cache, 3)
         outs.append(o_t)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-5, atol=1e-6)
 
@@ -125,8 +127,8 @@ def test_gradients_chunked_equal_naive_backend():
     x, pos = _inputs(4)
 
     def grads(backend):
-        layer = GatedLinearAttention(_cfg(gla_backend=backend), 2, rngs=nnx.Rngs(0))
-        loss = lambda m: jnp.sum(jnp.sin(m(jnp.asarray(x), jnp.asarray(pos))))
+        layer = GatedLinearAttention(_cfg(gla_backend=backend), rngs=nnx.Rngs(0))
+        loss = lambda m: jnp.sum(jnp.sin(m(jnp.asarray(x), jnp.asarray(pos), layer_index=2)))
         return nnx.grad(loss)(layer)
 
     for a, b in zip(jax.tree.leaves(grads("chunked")), jax.tree.leaves(grads("naive"))):
@@ -152,17 +154,17 @@ def test_slope_tables_closed_form():
 def test_sharded_layer_matches_single_device(backend):
     """Batch over data, heads over tensor: shard_map around the kernel; output and weight gradients agree."""
     cfg = _cfg(ici_data_parallelism=2, ici_fsdp_parallelism=1, ici_tensor_parallelism=2, gla_backend=backend)
-    layer = GatedLinearAttention(cfg, 2, rngs=nnx.Rngs(0))
+    layer = GatedLinearAttention(cfg, rngs=nnx.Rngs(0))
     x, pos = _inputs(5)
     x, pos, seg = jnp.asarray(x), jnp.asarray(pos), jnp.asarray([[0] * 9 + [1] * (T - 9)] * B)
-    loss = lambda m, x: jnp.sum(jnp.sin(m(x, pos, seg)))
-    out_and_grad = nnx.jit(lambda m, x: (m(x, pos, seg), nnx.grad(loss)(m, x)))
+    loss = lambda m, x: jnp.sum(jnp.sin(m(x, pos, seg, layer_index=2)))
+    out_and_grad = nnx.jit(lambda m, x: (m(x, pos, seg, layer_index=2), nnx.grad(loss)(m, x)))
     want, want_grads = out_and_grad(layer, x)
     axes = ("data", "fsdp", "expert", "tensor")
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(2, 1, 1, 2), axes,
                              axis_types=(jax.sharding.AxisType.Auto,) * 4)
     with sharding.use_mesh(mesh, cfg.logical_axis_rules):
-        jaxpr = str(jax.make_jaxpr(lambda x: layer(x, pos, seg))(x))
+        jaxpr = str(jax.make_jaxpr(lambda x: layer(x, pos, seg, layer_index=2))(x))
         got, got_grads = out_and_grad(layer, x)
     assert "shard_map" in jaxpr
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -174,7 +176,7 @@ def test_bf16_compute_close_to_fp32():
     x, pos = _inputs(6)
     outs = []
     for dtype in ("float32", "bfloat16"):
-        layer = GatedLinearAttention(_cfg(dtype=dtype), 2, rngs=nnx.Rngs(0))
+        layer = GatedLinearAttention(_cfg(dtype=dtype), rngs=nnx.Rngs(0))
         outs.append(_call(layer, jnp.asarray(x), jnp.asarray(pos)))
     assert outs[1].dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(outs[1], np.float32), outs[0], rtol=0,

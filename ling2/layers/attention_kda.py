@@ -104,9 +104,9 @@ class KimiDeltaAttention(nnx.Module):
     """Ling 3 linear-attention layer. Call with x [B,T,E], positions [B,T] (unused: no RoPE), optional
     segment_ids [B,T]."""
 
-    def __init__(self, cfg, layer_idx: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
         E, H, D, K = cfg.emb_dim, cfg.num_query_heads, cfg.head_dim, cfg.kda_conv_kernel_size
-        self.H, self.D, self.K, self.layer_idx = H, D, K, layer_idx
+        self.H, self.D, self.K = H, D, K
         wdt = jnp.dtype(cfg.weight_dtype)
         normal = nnx.initializers.normal(cfg.init_std)
 
@@ -188,8 +188,9 @@ class KimiDeltaAttention(nnx.Module):
         out = jnp.einsum("bthd,hde->bte", o, self._w(self.dense))
         return sharding.constrain(out, ("activation_batch", "activation_length", "activation_embed"))
 
-    def __call__(self, x_BTE, positions_BT=None, segment_ids_BT=None):
-        """Training forward: out [B,T,E], the conv window and the state restarting at every segment."""
+    def __call__(self, x_BTE, positions_BT=None, segment_ids_BT=None, *, layer_index=None):
+        """Training forward: out [B,T,E], the conv window and the state restarting at every segment.
+        `layer_index`: unused (KDA layers differ only in their weights)."""
         B, T, _ = x_BTE.shape
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
@@ -205,7 +206,7 @@ class KimiDeltaAttention(nnx.Module):
         return KDACache(jnp.zeros((batch, self.K - 1, 3, self.H, self.D), jnp.dtype(self.dtype)),
                         jnp.zeros((batch, self.H, self.D, self.D), jnp.float32))
 
-    def prefill(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts):
+    def prefill(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts, *, layer_index=None):
         """The chunked kernel from the cached state; segment ids reset the conv window and the state, so left
         padding never reaches a row's document. Keeps the last K-1 rows of each row's last document."""
         if opts.packed_docs:
@@ -220,7 +221,7 @@ class KimiDeltaAttention(nnx.Module):
         conv = rows.reshape(B, K - 1, 3, self.H, self.D).astype(cache.conv_BPCHD.dtype)
         return self._out(x, o), KDACache(conv, hT)
 
-    def step(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts):
+    def step(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts, *, layer_index=None):
         """One recurrence step per new token, continuing the row's document from its cached conv window;
         with opts.history also the conv window and state after each."""
         B, T, _ = x_BTE.shape

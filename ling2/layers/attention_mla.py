@@ -176,8 +176,7 @@ def hf_params(layout: str) -> list[tuple]:
 class MLA(nnx.Module):
     """Multi-head latent attention. Call with x [B,T,E], positions/segment_ids [B,T]."""
 
-    def __init__(self, cfg, layer_idx: int = 0, *, rngs: nnx.Rngs):
-        """layer_idx: unused (MLA layers are alike); the registry builds every kind the same way."""
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
         E, H = cfg.emb_dim, cfg.num_query_heads
         self.H, self.Dn, self.Dr, self.Dv = H, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.Rq, self.Rkv = cfg.q_lora_rank, cfg.kv_lora_rank
@@ -285,8 +284,9 @@ class MLA(nnx.Module):
         out = jnp.einsum("bthv,hve->bte", o_BTHV, self._w(self.dense))
         return constrain(out, ("activation_batch", "activation_length", "activation_embed"))
 
-    def __call__(self, x_BTE, positions_BT, segment_ids_BT=None):
-        """Training forward: out [B,T,E], causal within each segment."""
+    def __call__(self, x_BTE, positions_BT, segment_ids_BT=None, *, layer_index=None):
+        """Training forward: out [B,T,E], causal within each segment. `layer_index`: unused (MLA layers
+        differ only in their weights)."""
         B, T, _ = x_BTE.shape
         q_BTHK, c_kv, k_rope = self.project(x_BTE, positions_BT)
         if segment_ids_BT is None:
@@ -305,7 +305,7 @@ class MLA(nnx.Module):
         return MLACache(write_rows(cache.c_kv_BSC, c_kv, state.index_B),
                         write_rows(cache.k_rope_BSR, k_rope, state.index_B))
 
-    def prefill(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts):
+    def prefill(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts, *, layer_index=None):
         """Rows with empty caches: the configured kernel among the new tokens; their latents are stored."""
         T = x_BTE.shape[1]
         q_BTHK, c_kv, k_rope = self.project(x_BTE, positions_BT)
@@ -314,7 +314,7 @@ class MLA(nnx.Module):
         out = self._out(x_BTE, self._attend(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT))
         return overflow_to_nan(out, state, T, cache.c_kv_BSC.shape[1]), cache
 
-    def step(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts):
+    def step(self, x_BTE, positions_BT, segment_ids_BT, cache, state, opts, *, layer_index=None):
         """New tokens against every visible slot (theirs included), absorbed (opts.absorb) or expanded."""
         T = x_BTE.shape[1]
         q_BTHK, c_kv, k_rope = self.project(x_BTE, positions_BT)

@@ -23,7 +23,7 @@ def test_every_layer_type_is_registered():
 def test_kind_entry_is_complete_and_consistent(kind, layout):
     cfg = load_config(model_name=MODELS[kind])
     entry = ATTENTION[kind]
-    module = nnx.eval_shape(lambda: entry.module(cfg, 1, rngs=nnx.Rngs(0)))
+    module = nnx.eval_shape(lambda: entry.module(cfg, rngs=nnx.Rngs(0)))
     assert isinstance(nnx.eval_shape(lambda: module.init_cache(2, 8)), entry.cache)
     assert entry.matmul_params(cfg) > 0 and entry.mixing_flops(cfg, 64) > 0
     weights = {("attention",) + tuple(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(module, nnx.Param))}

@@ -120,13 +120,44 @@ def test_scan_equals_unrolled(both):
         np.testing.assert_allclose(gs[k], gu[k], rtol=1e-4, atol=1e-5 * np.abs(gu[k]).max(), err_msg=str(k))
 
 
-def test_each_scanned_gla_layer_has_its_own_slope(both):
+def test_one_call_path_gives_every_layer_its_index(both):
+    """`fold` hands every layer its global index (traced inside the scan) in order, `unstacked` lists the same
+    layers, and a layer sliced out of a scanned group is the unscanned model's layer, weight for weight."""
     cfgs, models, _ = both
-    layers = models[False].layers
-    decays = np.asarray(models[True].group_decays).reshape(2, 2, 2)
-    for g in range(2):  # position 0 of each group is its GLA layer
-        np.testing.assert_allclose(decays[g, 0], layers[2 * g].attention.log_decay, rtol=1e-6)
-    assert not np.allclose(decays[0, 0], decays[1, 0])
+    L = cfgs[False].num_decoder_layers
+    for scan, model in models.items():
+        kinds = []
+
+        def f(layer, i, x):
+            kinds.append(layer.attn_type)
+            return x + 1, jnp.asarray(i)
+
+        x, seen = model.fold(f, jnp.zeros((), jnp.int32))
+        assert int(x) == L and {i: int(v) for i, v in seen.items()} == {i: i for i in range(L)}
+        assert [i for i, _ in model.unstacked()] == list(range(L))
+        # a scanned group's layers are traced once for all its groups
+        assert kinds == (["gla", "mla", "mla"] if scan else list(cfgs[False].layer_types))
+    unrolled = dict(models[False].unstacked())
+    for i, layer in models[True].unstacked():
+        assert layer.attn_type == unrolled[i].attn_type
+        for a, b in zip(jax.tree.leaves(nnx.state(layer)), jax.tree.leaves(nnx.state(unrolled[i]))):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_scanned_gla_layers_decay_by_their_own_index():
+    """GLA's decays follow the layer index it is given, traced or not: -slopes of the reference formula
+    base_h * (1 - (i - 1) / (L - 1) + 1e-5) (hand-written here; `attention_gla_test` checks the base slopes)."""
+    from ling2.layers.attention_gla import GatedLinearAttention, alibi_base_slopes
+
+    cfg = small()
+    layer = GatedLinearAttention(cfg, rngs=nnx.Rngs(0))
+    L, H = cfg.num_decoder_layers, cfg.num_query_heads
+    for i in (0, 2, 4):
+        want = -(alibi_base_slopes(H) * (1 - (i - 1) / (L - 1) + 1e-5)).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(layer.decay(i)), want)
+        np.testing.assert_array_equal(np.asarray(jax.jit(layer.decay)(jnp.int32(i))), want)
+    with pytest.raises(ValueError, match="layer_index=7"):
+        layer.decay(7)
 
 
 def test_remat_policies_same_grads():
@@ -189,13 +220,9 @@ def test_every_param_has_logical_names(both):
             assert (path[0] == "groups") == (names[0] == "layers"), (path, names)
 
 
-def test_build_decoder_registry_and_errors():
-    assert isinstance(decoder.build_decoder(small(base_num_decoder_layers=3), rngs=nnx.Rngs(0)),
-                      decoder.Ling2Decoder)
+def test_unknown_remat_policy_is_named():
     with pytest.raises(ValueError, match="remat_policy"):
         decoder.remat(lambda x: x, "some")
-    with pytest.raises(ValueError, match="dropout"):
-        decoder.Ling2Decoder(small(enable_dropout=True, dropout_rate=0.1), rngs=nnx.Rngs(0))
 
 
 def test_decode_with_cache_matches_full_forward(both):

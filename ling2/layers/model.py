@@ -22,7 +22,7 @@ from flax import nnx
 from ling2.config import Config
 from ling2.layers import moe
 from ling2.layers.attention import ATTENTION
-from ling2.layers.decoder import DecoderOutput, build_decoder
+from ling2.layers.decoder import DecoderOutput, Ling2Decoder
 from ling2.layers.embed import Embed
 from ling2.layers.moe import bias_update
 from ling2.layers.moe_router import RoutedBias
@@ -43,7 +43,7 @@ class Ling2Model(nnx.Module):
     """Ling2 decoder + MTP. Call with ids [B,T] (optional positions / segment_ids [B,T])."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        self.decoder = build_decoder(cfg, rngs=rngs)
+        self.decoder = Ling2Decoder(cfg, rngs=rngs)
         self.mtp = MTP(cfg, rngs=rngs) if cfg.mtp_num_layers else None
         self.mtp_hidden_pre_norm = cfg.mtp_hidden_pre_norm
         self.bias_rows = tuple((spec.path, spec.stack, spec.index) for spec in layer_plan(cfg).all()

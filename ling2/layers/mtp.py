@@ -96,6 +96,7 @@ class MTPDepth(nnx.Module):
         self.eh_proj = nnx.Param(init(rngs.params(), (2 * E, E), wdt), out_sharding=("embed", None),
                                  eager_sharding=False)
         self.layer = DecoderLayer(cfg, spec, rngs=rngs)
+        self.index = spec.index
         self.final_norm = norms.RMSNorm(E, eps=eps, param_dtype=wdt)
         self.dtype = cfg.dtype
 
@@ -106,13 +107,14 @@ class MTPDepth(nnx.Module):
 
     def __call__(self, emb_BTE, h_BTE, positions_BT, segment_ids_BT, valid_BT):
         """Training forward: (block output before the final norm, after it, MoEAux), all [B,T,E] but the aux."""
-        y, aux = self.layer(self._input(emb_BTE, h_BTE), positions_BT, segment_ids_BT, valid_BT)
+        y, aux = self.layer(self._input(emb_BTE, h_BTE), positions_BT, segment_ids_BT, valid_BT,
+                            layer_index=self.index)
         return y, self.final_norm(y), aux
 
     def decode(self, mode: str, emb_BTE, h_BTE, positions_BT, segment_ids_BT, valid_BT, cache, state, opts):
         """A cached call of the depth's layer (`DecoderLayer.decode`): (y, y normed, MoEAux, the layer's cache)."""
         y, aux, cache = self.layer.decode(mode, self._input(emb_BTE, h_BTE), positions_BT, segment_ids_BT, valid_BT,
-                                          cache, state, opts)
+                                          cache, state, opts, layer_index=self.index)
         return y, self.final_norm(y), aux, cache
 
 

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from ling2.config import load_config
-from ling2.layers.decoder import build_decoder
+from ling2.layers.decoder import Ling2Decoder
 from ling2.layers.model import Ling2Model
 from ling2.layers.mtp import (MTP, top1_accuracy, depth_token_counts, mtp_loss,
                               roll_and_mask_by_segment)
@@ -170,7 +170,7 @@ def test_depth_one_matches_hand_composition(setup):
     def hand(model, shifted, hidden):
         d, dec = model.mtp.depths[0], model.decoder
         x = jnp.concatenate([d.enorm(dec.embed(shifted)), d.hnorm(hidden)], axis=-1) @ d.eh_proj[...]
-        y, _ = d.layer(x, jnp.asarray(pos), jnp.asarray(seg))
+        y, _ = d.layer(x, jnp.asarray(pos), jnp.asarray(seg), layer_index=d.index)
         return dec.lm_head(d.final_norm(y))
 
     want = hand(model, jnp.asarray(shifted), out.hidden)
@@ -249,7 +249,7 @@ def test_no_mtp_is_the_plain_decoder_bit_for_bit():
     cfg = _cfg(mtp_num_layers=0)
     with pytest.raises(ValueError, match="mtp_num_layers"):
         MTP(cfg, rngs=nnx.Rngs(0))
-    wrapped, plain = Ling2Model(cfg, rngs=nnx.Rngs(0)), build_decoder(cfg, rngs=nnx.Rngs(0))
+    wrapped, plain = Ling2Model(cfg, rngs=nnx.Rngs(0)), Ling2Decoder(cfg, rngs=nnx.Rngs(0))
     assert wrapped.mtp is None
     ws, ps = nnx.to_flat_state(nnx.state(wrapped, nnx.Param)), nnx.to_flat_state(nnx.state(plain, nnx.Param))
     assert [p[1:] for p, _ in ws] == [p for p, _ in ps]  # only the decoder's params, same names
@@ -266,7 +266,7 @@ def test_no_mtp_is_the_plain_decoder_bit_for_bit():
 def test_mtp_leaves_the_decoder_weights_unchanged(setup):
     """Building MTP after the decoder keeps the decoder's weights those of the plain decoder."""
     cfg, model, *_ = setup
-    plain = build_decoder(cfg, rngs=nnx.Rngs(0))
+    plain = Ling2Decoder(cfg, rngs=nnx.Rngs(0))
     for (pa, a), (pb, b) in zip(nnx.to_flat_state(nnx.state(model.decoder, nnx.Param)),
                                 nnx.to_flat_state(nnx.state(plain, nnx.Param))):
         assert pa == pb

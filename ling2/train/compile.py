@@ -132,6 +132,7 @@ def plan(cfg, topo, log=print) -> dict:
         out[f"{f}_bytes"] = field(f"{f}_size_in_bytes")
     out["total_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
                           + out["generated_code_bytes"])
+    out["xla_peak_bytes"] = field("peak_memory_in_bytes")  # XLA's own peak of live buffers (0: not reported)
     out["fits"] = out["total_bytes"] <= topo.chip.hbm_bytes
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -173,6 +174,7 @@ def table(p: dict) -> str:
             ("  aliased with arguments (donated)", g(-p["alias_bytes"])),
             ("generated code", g(p["generated_code_bytes"])),
             ("total", g(p["total_bytes"])),
+            ("XLA's peak of live buffers", g(p["xla_peak_bytes"]) if p.get("xla_peak_bytes") else "not reported"),
             ("chip HBM", g(p["hbm_bytes"])),
             ("FLOPs per chip per step, XLA", f"{p['xla_flops_per_chip']:12.4g}  (each loop body once)"),
             (f"  x {p['gradient_accumulation_steps']} micro-batches", f"{p['xla_flops_per_chip_x_accum']:12.4g}"

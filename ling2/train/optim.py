@@ -65,6 +65,6 @@ def make_optimizer(cfg, params):
         optax.clip_by_global_norm(cfg.gradient_clipping_threshold) if cfg.gradient_clipping_threshold > 0
         else optax.identity(),
         optax.adamw(sched, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps, weight_decay=cfg.adam_weight_decay,
-                    mask=decay_mask(params, cfg)),
+                    mu_dtype=cfg.mu_dtype or None, mask=decay_mask(params, cfg)),
     ), sched
 

@@ -61,3 +61,36 @@ def test_decay_mask_by_role_is_the_same_scanned_and_unscanned(embeddings):
     moved = flat(ckpt_state.relayout(as_arrays, scan_cfg, flat_cfg))
     assert {tuple(map(str, p)): bool(np.all(v)) for p, v in moved.items() if tuple(map(str, p)) in want} == want
     assert all(np.all(v == v.flat[0]) for v in moved.values())
+
+
+
+@pytest.mark.parametrize("mu_dtype", ["", "bfloat16"])
+def test_adam_first_moment_dtype(mu_dtype):
+    """mu_dtype stores Adam's first moment in bf16 (MaxText's mu_dtype) and nothing else: after one step
+    from zero moments, mu = (1 - b1) g rounded to that dtype, nu = (1 - b2) g^2 in fp32, and the update
+    is Adam's first, bias-corrected step -lr * g / (|g| + eps) in fp32 (hand-computed, weight decay off)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from ling2.train.optim import make_optimizer
+
+    cfg = load_config(model_name="ling2-micro", steps=10, learning_rate=0.5, warmup_steps_fraction=0.0,
+                      lr_schedule="constant", adam_weight_decay=0.0, gradient_clipping_threshold=0.0,
+                      mu_dtype=mu_dtype)
+    _, abstract, _ = nnx.split(abstract_model(cfg), trainable_filter(cfg), ...)
+    params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract)
+    rng = np.random.default_rng(0)
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
+    opt, _ = make_optimizer(cfg, params)
+    updates, state = opt.update(grads, opt.init(params), params)
+    adam, = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+             if isinstance(s, optax.ScaleByAdamState)]
+    for g, mu, nu, u in zip(*(jax.tree.leaves(t) for t in (grads, adam.mu, adam.nu, updates))):
+        g = np.asarray(g)
+        want_mu = ((1 - cfg.adam_b1) * g).astype(mu_dtype or "float32")
+        assert mu.dtype == (mu_dtype or "float32") and nu.dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(mu), want_mu)
+        np.testing.assert_allclose(np.asarray(nu), (1 - cfg.adam_b2) * g**2, rtol=1e-6)
+        want_u = -0.5 * g / (np.abs(g) + cfg.adam_eps)  # this step's moment is used before it is stored
+        np.testing.assert_allclose(np.asarray(u), want_u, rtol=1e-5)

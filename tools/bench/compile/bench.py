@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 
+from ling2.config.loader import load_config
 from ling2.config.paths import user_path
 
 GiB = 1024**3
@@ -29,6 +30,18 @@ _V6E_256 = ["ici_fsdp_parallelism=32", "ici_expert_parallelism=8", "per_device_b
             "gradient_accumulation_steps=4", "remat_policy=full"]
 _H100_64 = ["ici_fsdp_parallelism=8", "ici_expert_parallelism=8", "per_device_batch_size=1",
             "gradient_accumulation_steps=4", "remat_policy=full"]
+
+
+
+def _rules_with(**axes) -> str:
+    """The default logical_axis_rules with some names re-mapped, as one key=value override."""
+    rules = [[name, list(axes.get(name, mesh) or []) or None] for name, mesh in load_config().logical_axis_rules]
+    return "logical_axis_rules=" + json.dumps(rules, separators=(",", ":"))
+
+
+# ling3's non-expert weights (attention, dense layers, embeddings: 8.6B parameters) also sharded over the
+# expert axis, so that no chip holds an eighth of them in fp32 with Adam.
+_EMBED_OVER_EXPERT = _rules_with(embed=["fsdp", "expert"])
 
 # name -> (topology, num_slices, overrides); a name without a model is ling2's. 256 sequences x 4096 =
 # 1,048,576 tokens per step.
@@ -41,8 +54,8 @@ PLANS = {
     "v5p-256": ("v5p-256", 1, ["ici_fsdp_parallelism=16", "ici_expert_parallelism=8", "per_device_batch_size=1",
                                "gradient_accumulation_steps=2", "remat_policy=full"]),
     "v6e-256": ("v6e-256", 1, _V6E_256),
-    "ling3 v5p-64": ("v5p-64", 1, ["model_name=ling3", *_V5P_64]),
-    "ling3 v6e-256": ("v6e-256", 1, ["model_name=ling3", *_V6E_256]),
+    "ling3 v5p-64": ("v5p-64", 1, ["model_name=ling3", *_V5P_64, _EMBED_OVER_EXPERT, "mu_dtype=bfloat16"]),
+    "ling3 v6e-256": ("v6e-256", 1, ["model_name=ling3", *_V6E_256, _EMBED_OVER_EXPERT]),
     "ling2 h100-64": ("h100-64", 1, _H100_64),
     "ling3 h100-64": ("h100-64", 1, ["model_name=ling3", *_H100_64]),
 }
