@@ -48,6 +48,7 @@ from ling2.checkpoint import save_noise
 from ling2.checkpoint.state import CONFIG_NAME, CheckpointError, read_config
 from ling2.config import ConfigError, load_config
 from ling2.config.files import crc32
+from ling2.config.loader import without_removed
 from ling2.config.schema import RESUME_FIXED, RESUME_WARN, resume_class
 
 CHECKSUMS = "checksums.json"
@@ -156,7 +157,7 @@ def saved_config(step_dir):
     if not path.is_file():
         raise CheckpointError(f"{step_dir}: no saved config (neither {CONFIG_ITEM}/metadata nor {CONFIG_NAME})")
     try:
-        return load_config(json.loads(path.read_text()))
+        return load_config(without_removed(json.loads(path.read_text())))
     except (json.JSONDecodeError, ConfigError) as e:
         raise CheckpointError(f"{path}: saved config does not load: {e}") from None
 

@@ -239,11 +239,21 @@ def test_disk_full_during_a_save_is_one_named_error(tmp_path, capfd, monkeypatch
 
 @pytest.mark.parametrize("key, value", [("decoder_block", "ling2"), ("opt_type", "adamw"), ("dropout_rate", 0.0)])
 def test_saved_config_with_a_removed_key_still_reads(tmp_path, key, value):
-    """A checkpoint's config.yml written before a key was removed (it holds the key's one accepted value)
-    reads as the same config without it; the same key in a user's config is a named error (config_test)."""
+    """A saved config written before a key was removed (holding the key's one accepted value), a state
+    directory's config.yml or a trainer step's config item, reads as the same config without it; the same key
+    in a user's config is a named error (config_test)."""
+    import json
+
+    from ling2.checkpoint.manager import saved_config
     from ling2.checkpoint.state import read_config
     from ling2.config import to_yaml
 
-    saved = tmp_path / "config.yml"
-    saved.write_text(to_yaml(load_config(model_name="ling2-tiny")) + f"{key}: {value!r}\n")
-    assert read_config(saved) == load_config(model_name="ling2-tiny")
+    cfg = load_config(model_name="ling2-tiny")
+    saved = tmp_path / "state_dir" / "config.yml"
+    saved.parent.mkdir()
+    saved.write_text(to_yaml(cfg) + f"{key}: {value!r}\n")
+    assert read_config(saved) == saved_config(saved.parent) == cfg
+    item = tmp_path / "step" / "config" / "metadata"
+    item.parent.mkdir(parents=True)
+    item.write_text(json.dumps({**cfg.model_dump(mode="json"), key: value}))
+    assert saved_config(tmp_path / "step") == cfg
