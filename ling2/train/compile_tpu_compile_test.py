@@ -153,3 +153,41 @@ def test_ling3_step_with_auto_kda_calls_the_mosaic_kernels(monkeypatch):
     names = mosaic_kernels(seen["hlo"], "ling2_kda_", only_ours=False)
     assert set(names) == {"ling2_kda_fwd", "ling2_kda_states", "ling2_kda_bwd"}
     assert names.count("ling2_kda_states") == names.count("ling2_kda_bwd") >= 1
+
+
+def _probe(arg_gib: float, temp_gib: float):
+    """Compiles, for one v6e chip (31.25 GiB usable), a step that doubles a donated fp32 argument of arg_gib
+    and materialises one temporary of temp_gib; returns (memory analysis, None) or (None, XLA's error)."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    GiB = 1 << 30
+    sh = NamedSharding(Mesh(np.asarray(topology.devices("v6e-1")), ("x",)), P())
+    rows = int(temp_gib * GiB / 4 / 1024)
+
+    def step(a, b):
+        t = jnp.broadcast_to(b[:, None], (rows, 1024)) * 1.5 + jnp.arange(1024, dtype=jnp.float32)
+        t = jax.lax.optimization_barrier(jnp.sin(t))
+        return a * 2, jnp.sum(t * jnp.cos(t), axis=0)
+
+    a = jax.ShapeDtypeStruct((int(arg_gib * GiB / 4),), jnp.float32, sharding=sh)
+    b = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=sh)
+    try:
+        return jax.jit(step, donate_argnums=0).lower(a, b).compile().memory_analysis(), None
+    except Exception as e:  # noqa: BLE001 - XLA's out-of-HBM is a compile error
+        return None, str(e)
+
+
+def test_xla_peak_is_what_its_hbm_check_counts():
+    """The plan's total is XLA's peak of live buffers (+ code). Hand-sized programs show that XLA's own check
+    counts the arguments with the temporaries: 20 GiB of arguments + 10 of temporaries compile with a peak of
+    ~30 GiB; 20 + 12 are refused (32 > 31.25 GiB usable), with a figure that is that peak, arguments included."""
+    mem, err = _probe(20, 10)
+    assert err is None, err
+    GiB = 1 << 30
+    assert mem.peak_memory_in_bytes == pytest.approx(mem.argument_size_in_bytes + mem.temp_size_in_bytes, rel=1e-3)
+    assert 29.9 * GiB < mem.peak_memory_in_bytes < 31.25 * GiB
+    mem, err = _probe(20, 12)
+    assert mem is None
+    what, used, avail = compile_lib.hbm_overflow(err)
+    assert used == pytest.approx(32.0 * GiB, rel=2e-3) and avail == pytest.approx(31.25 * GiB, rel=1e-3)
