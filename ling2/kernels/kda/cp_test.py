@@ -1,0 +1,108 @@
+"""Context-parallel KDA (cp.py) against the unsplit kernel, and the unsplit kernel against its oracle.
+
+Reference: `kda` on the whole sequence on one device; its "naive" backend (the per-token recurrence of
+reference.py, checked against fla-core in op_test) checks the same numbers. Packed rows put document
+boundaries inside shards, exactly on shard edges and around a document spanning three shards.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from ling2.kernels import kda
+from ling2.kernels.kda.cp import kda_cp
+
+B, T, H, K, V, C = 2, 128, 2, 8, 4, 16
+needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices: run under Bazel (devices = 8)")
+
+
+def _segments():
+    """Row 0: documents [0, 21) [21, 32) [32, 80) [80, 128): a boundary inside a shard, the others on the edges
+    of every split into 2, 4 or 8 shards of 16; the third spans shards 2-4 of 8. Row 1: one document over 120
+    tokens, then another."""
+    return jnp.asarray(np.stack([np.repeat([3, 4, 5, 6], [21, 11, 48, 48]), np.repeat([1, 2], [120, 8])]), jnp.int32)
+
+
+def _inputs(seed=0):
+    r = np.random.default_rng(seed)
+    l2 = lambda x: x / np.sqrt(np.sum(x * x, -1, keepdims=True) + 1e-6)
+    sig = lambda x: 1 / (1 + np.exp(-x))
+    f = lambda a: jnp.asarray(a, jnp.float32)
+    return (f(l2(r.standard_normal((B, T, H, K)))), f(l2(r.standard_normal((B, T, H, K)))),
+            f(r.standard_normal((B, T, H, V))), f(-0.3 * sig(r.standard_normal((B, T, H, K)))),
+            f(sig(r.standard_normal((B, T, H)))))
+
+
+def _loss(o, hT):
+    return jnp.sum(o * jnp.cos(o)) + 0.3 * jnp.sum(hT * jnp.sin(hT))
+
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def _unsplit(q, k, v, g, beta, seg, backend):
+    def loss(*x):
+        o, hT = kda.kda(*x, segment_ids=seg, chunk_size=C, backend=backend, return_final_state=True)
+        return _loss(o, hT), (o, hT)
+
+    (_, (o, hT)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(q, k, v, g, beta)
+    return (o, hT) + grads
+
+
+def _split(n, backend):
+    mesh = Mesh(np.asarray(jax.devices()[:n]), ("context",))
+    seq = P(None, "context")
+
+    def local(q, k, v, g, beta, seg):
+        o, hT = kda_cp(q, k, v, g, beta, axis_name="context", segment_ids=seg, chunk_size=C, backend=backend,
+                       return_final_state=True)
+        return o, hT[None]
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(seq,) * 6, out_specs=(seq, P("context")), check_vma=False)
+
+    @jax.jit
+    def run(q, k, v, g, beta, seg):
+        def loss(*x):
+            o, hT = f(*x, seg)
+            return _loss(o, hT[-1]), (o, hT[-1])
+
+        (_, (o, hT)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(q, k, v, g, beta)
+        return (o, hT) + grads
+
+    return run
+
+
+def _close(got, want, rtol=1e-5):
+    for name, a, b in zip(("o", "final state", "dq", "dk", "dv", "dg", "dbeta"), got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=rtol * float(jnp.abs(b).max()),
+                                   err_msg=name)
+
+
+@needs_8
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_split_equals_unsplit_chunked(n):
+    """Outputs, the sequence's final state and the gradients of q, k, v, g and beta."""
+    x, seg = _inputs(), _segments()
+    want = _unsplit(*x, seg, "chunked")
+    _close(want, _unsplit(*x, seg, "naive"), 1e-5)
+    _close(_split(n, "chunked")(*x, seg), want)
+
+
+@needs_8
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])  # interpreted on CPU
+def test_split_equals_unsplit_pallas(backend):
+    x, seg = _inputs(1), _segments()
+    _close(_split(4, backend)(*x, seg), _unsplit(*x, seg, "chunked"))
+
+
+@needs_8
+def test_state_crosses_every_shard_of_one_document():
+    """One document over 8 shards with weak forgetting: the first shard's keys move the last shard's outputs."""
+    q, k, v, g, beta = _inputs(2)
+    g = g * 0.05
+    seg = jnp.ones((B, T), jnp.int32)
+    got = _split(8, "chunked")(q, k, v, g, beta, seg)
+    _close(got, _unsplit(q, k, v, g, beta, seg, "chunked"))
+    assert np.abs(np.asarray(got[3])[:, :T // 8]).max() > 1e-3
