@@ -368,7 +368,7 @@ class Generator:
 
     def __init__(self, model):
         for path, m in nnx.iter_graph(model):
-            if isinstance(m, MoE) and not m.cfg.sparse_matmul:
+            if isinstance(m, MoE) and not m.spec.sparse_matmul:
                 raise InferError(f"MoE at {'/'.join(map(str, path))}: sparse_matmul=False is the capacity path, "
                                  "which drops tokens by batch; build the model with sparse_matmul=True "
                                  "(ling2.infer.load does)")

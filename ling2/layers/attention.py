@@ -1,7 +1,8 @@
 """The attention kinds of the hybrid, one registry entry each: adding a kind is its module plus one entry.
 
 Each entry holds what the rest of Ling2 needs of a kind:
-  module(cfg, rngs=...)              the layer: its training forward `(x, positions, segment_ids, *,
+  spec                               its frozen slice of the config (`ling2.config.specs`);
+  module(spec, rngs=...)             the layer: its training forward `(x, positions, segment_ids, *,
                                      layer_index)` and the decoding interface of `ling2.layers.decode`
                                      (init_cache, prefill, step, accept, unpack); `layer_index` is the
                                      global index, traced in a scanned group, for kinds whose constants
@@ -13,10 +14,12 @@ Each entry holds what the rest of Ling2 needs of a kind:
 
 from typing import Callable, NamedTuple
 
+from ling2.config import specs
 from ling2.layers import attention_gla, attention_kda, attention_mla
 
 
 class AttentionKind(NamedTuple):
+    spec: type
     module: type
     matmul_params: Callable
     mixing_flops: Callable
@@ -25,10 +28,10 @@ class AttentionKind(NamedTuple):
 
 
 ATTENTION = {
-    "mla": AttentionKind(attention_mla.MLA, attention_mla.matmul_params, attention_mla.mixing_flops,
+    "mla": AttentionKind(specs.MLASpec, attention_mla.MLA, attention_mla.matmul_params, attention_mla.mixing_flops,
                          attention_mla.MLACache, attention_mla.hf_params),
-    "gla": AttentionKind(attention_gla.GatedLinearAttention, attention_gla.matmul_params, attention_gla.mixing_flops,
+    "gla": AttentionKind(specs.GLASpec, attention_gla.GatedLinearAttention, attention_gla.matmul_params, attention_gla.mixing_flops,
                          attention_gla.GLACache, attention_gla.hf_params),
-    "kda": AttentionKind(attention_kda.KimiDeltaAttention, attention_kda.matmul_params, attention_kda.mixing_flops,
+    "kda": AttentionKind(specs.KDASpec, attention_kda.KimiDeltaAttention, attention_kda.matmul_params, attention_kda.mixing_flops,
                          attention_kda.KDACache, attention_kda.hf_params),
 }

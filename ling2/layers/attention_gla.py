@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from ling2.config.specs import GLASpec
 from ling2.kernels import gla
 from ling2.layers import norms, rope, sharding, yarn
 from ling2.layers.decode import take_rows, where_rows
@@ -78,11 +79,11 @@ def hf_params(layout: str) -> list[tuple]:
 class GatedLinearAttention(nnx.Module):
     """Ling2 linear-attention layer. Call with x [B,T,E], positions [B,T], optional segment_ids [B,T]."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        E, H, D = cfg.emb_dim, cfg.num_query_heads, cfg.head_dim
+    def __init__(self, spec: GLASpec, *, rngs: nnx.Rngs):
+        E, H, D = spec.emb_dim, spec.num_query_heads, spec.head_dim
         self.H, self.D = H, D
-        wdt = jnp.dtype(cfg.weight_dtype)
-        init = nnx.initializers.normal(cfg.init_std)
+        wdt = jnp.dtype(spec.weight_dtype)
+        init = nnx.initializers.normal(spec.init_std)
 
         def param(shape, names):
             return nnx.Param(init(rngs.params(), shape, wdt), out_sharding=names, eager_sharding=False)
@@ -90,20 +91,20 @@ class GatedLinearAttention(nnx.Module):
         self.qkv = param((E, 3, H, D), ("embed", None, "heads", "kv"))
         self.g_proj = param((E, H, D), ("embed", "heads", "kv"))
         self.dense = param((H, D, E), ("heads", "kv", "embed"))
-        eps = cfg.normalization_layer_epsilon
-        self.use_qk_norm, self.use_silu = cfg.use_qk_norm, cfg.use_linear_silu
+        eps = spec.normalization_layer_epsilon
+        self.use_qk_norm, self.use_silu = spec.use_qk_norm, spec.use_linear_silu
         if self.use_qk_norm:
             self.q_norm = norms.RMSNorm(D, eps=eps, param_dtype=wdt)
             self.k_norm = norms.RMSNorm(D, eps=eps, param_dtype=wdt)
-        self.g_norm = norms.GroupRMSNorm(H * D, cfg.group_norm_size, eps=eps, param_dtype=wdt)
-        self.rotary_dim = cfg.rotary_dim
-        self.inv_freq = tuple(float(f) for f in yarn.rope_inv_freq(cfg))
-        self.rope_scaling = yarn.rope_attention_scaling(cfg)
-        L = cfg.num_decoder_layers
-        self.log_decays = tuple(tuple(float(-s) for s in layer_slopes(H, i, L, cfg.gla_slope_layer_offset))
+        self.g_norm = norms.GroupRMSNorm(H * D, spec.group_norm_size, eps=eps, param_dtype=wdt)
+        self.rotary_dim = spec.rotary_dim
+        self.inv_freq = tuple(float(f) for f in yarn.rope_inv_freq(spec))
+        self.rope_scaling = yarn.rope_attention_scaling(spec)
+        L = spec.num_decoder_layers
+        self.log_decays = tuple(tuple(float(-s) for s in layer_slopes(H, i, L, spec.gla_slope_layer_offset))
                                 for i in range(L))  # g_h = -slope_h of every layer index: constants
-        self.dtype, self.chunk_size, self.backend = cfg.dtype, cfg.gla_chunk_size, cfg.gla_backend
-        self.rules = sharding.rules_dict(cfg.logical_axis_rules)
+        self.dtype, self.chunk_size, self.backend = spec.dtype, spec.gla_chunk_size, spec.gla_backend
+        self.rules = sharding.rules_dict(spec.logical_axis_rules)
 
     def _w(self, p):
         return p[...].astype(jnp.dtype(self.dtype))

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from ling2.config.specs import KDASpec
 from ling2.kernels import kda
 from ling2.layers import norms, sharding
 from ling2.layers.decode import take_rows, where_rows
@@ -104,11 +105,11 @@ class KimiDeltaAttention(nnx.Module):
     """Ling 3 linear-attention layer. Call with x [B,T,E], positions [B,T] (unused: no RoPE), optional
     segment_ids [B,T]."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        E, H, D, K = cfg.emb_dim, cfg.num_query_heads, cfg.head_dim, cfg.kda_conv_kernel_size
+    def __init__(self, spec: KDASpec, *, rngs: nnx.Rngs):
+        E, H, D, K = spec.emb_dim, spec.num_query_heads, spec.head_dim, spec.kda_conv_kernel_size
         self.H, self.D, self.K = H, D, K
-        wdt = jnp.dtype(cfg.weight_dtype)
-        normal = nnx.initializers.normal(cfg.init_std)
+        wdt = jnp.dtype(spec.weight_dtype)
+        normal = nnx.initializers.normal(spec.init_std)
 
         def param(shape, names, init=normal):
             return nnx.Param(init(rngs.params(), shape, wdt), out_sharding=names, eager_sharding=False)
@@ -126,11 +127,11 @@ class KimiDeltaAttention(nnx.Module):
         self.A_log = param((H,), ("heads",), a_log_init)
         self.b_proj = param((E, H), ("embed", "heads"))
         self.g_proj = param((E, H, D), ("embed", "heads", "kv"))
-        self.o_norm = norms.RMSNorm(D, eps=cfg.normalization_layer_epsilon, param_dtype=wdt)
+        self.o_norm = norms.RMSNorm(D, eps=spec.normalization_layer_epsilon, param_dtype=wdt)
         self.dense = param((H, D, E), ("heads", "kv", "embed"))
-        self.safe_gate, self.lower_bound = cfg.kda_safe_gate, float(cfg.kda_lower_bound)
-        self.dtype, self.chunk_size, self.backend = cfg.dtype, cfg.kda_chunk_size, cfg.kda_backend
-        self.rules = sharding.rules_dict(cfg.logical_axis_rules)
+        self.safe_gate, self.lower_bound = spec.kda_safe_gate, float(spec.kda_lower_bound)
+        self.dtype, self.chunk_size, self.backend = spec.dtype, spec.kda_chunk_size, spec.kda_backend
+        self.rules = sharding.rules_dict(spec.logical_axis_rules)
 
     def _w(self, p):
         return p[...].astype(jnp.dtype(self.dtype))

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from ling2.config.specs import MLASpec
 from ling2.layers import norms, rope, yarn
 from ling2.layers.decode import attention_mask as decode_mask
 from ling2.layers.decode import move_slots, overflow_to_nan, write_rows
@@ -176,14 +177,14 @@ def hf_params(layout: str) -> list[tuple]:
 class MLA(nnx.Module):
     """Multi-head latent attention. Call with x [B,T,E], positions/segment_ids [B,T]."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        E, H = cfg.emb_dim, cfg.num_query_heads
-        self.H, self.Dn, self.Dr, self.Dv = H, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        self.Rq, self.Rkv = cfg.q_lora_rank, cfg.kv_lora_rank
-        if self.Dr != cfg.rotary_dim:
-            raise ValueError(f"qk_rope_head_dim={self.Dr} must equal head_dim*partial_rotary_factor={cfg.rotary_dim}")
-        wdt = jnp.dtype(cfg.weight_dtype)
-        init = nnx.initializers.normal(cfg.init_std)
+    def __init__(self, spec: MLASpec, *, rngs: nnx.Rngs):
+        E, H = spec.emb_dim, spec.num_query_heads
+        self.H, self.Dn, self.Dr, self.Dv = H, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+        self.Rq, self.Rkv = spec.q_lora_rank, spec.kv_lora_rank
+        if self.Dr != spec.rotary_dim:
+            raise ValueError(f"qk_rope_head_dim={self.Dr} must equal head_dim*partial_rotary_factor={spec.rotary_dim}")
+        wdt = jnp.dtype(spec.weight_dtype)
+        init = nnx.initializers.normal(spec.init_std)
 
         def param(shape, names):
             return nnx.Param(init(rngs.params(), shape, wdt), out_sharding=names, eager_sharding=False)
@@ -199,14 +200,14 @@ class MLA(nnx.Module):
         self.kv_a_norm = norms.RMSNorm(self.Rkv, eps=LORA_NORM_EPS, param_dtype=wdt)
         self.kv_b = param((self.Rkv, H, self.Dn + self.Dv), ("kv_lora", "heads", "kv"))
         self.dense = param((H, self.Dv, E), ("heads", "kv", "embed"))
-        if cfg.mla_output_gate:
+        if spec.mla_output_gate:
             self.g_proj = param((E, H), ("embed", "heads"))
-        self.output_gate = cfg.mla_output_gate
-        self.dtype, self.kernel, self.interleaved = cfg.dtype, cfg.attention_kernel, cfg.mla_interleaved_rope
-        self.block = cfg.attention_block_size
-        self.inv_freq = tuple(float(f) for f in yarn.rope_inv_freq(cfg))
-        self.rope_scaling = yarn.rope_attention_scaling(cfg)
-        self.scale = yarn.mla_softmax_scale(cfg)
+        self.output_gate = spec.mla_output_gate
+        self.dtype, self.kernel, self.interleaved = spec.dtype, spec.attention_kernel, spec.mla_interleaved_rope
+        self.block = spec.attention_block_size
+        self.inv_freq = tuple(float(f) for f in yarn.rope_inv_freq(spec))
+        self.rope_scaling = yarn.rope_attention_scaling(spec)
+        self.scale = yarn.mla_softmax_scale(spec)
 
     def _w(self, p):
         return p[...].astype(jnp.dtype(self.dtype))

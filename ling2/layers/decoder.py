@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ling2.config.specs import EmbedSpec, MoESpec, WeightsSpec
 from ling2.layers import decode as decode_lib
 from ling2.layers import losses, norms
 from ling2.layers.attention import ATTENTION
@@ -39,23 +40,37 @@ class DecoderOutput(NamedTuple):
     moe_aux: dict  # {layer index: MoEAux} for every MoE layer
 
 
-class DecoderLayer(nnx.Module):
-    """One pre-norm block of `spec.attn` attention and a `spec.mlp` MLP (dense or moe)."""
+class LayerSpecs(NamedTuple):
+    """What a decoder layer's modules take (`ling2.config.specs`), derived once per model."""
+    weights: WeightsSpec
+    attention: dict  # attention kind -> its spec
+    moe: MoESpec
+    mlp_dim: int  # width of the dense MLP
 
-    def __init__(self, cfg, spec: LayerSpec, *, rngs: nnx.Rngs):
-        eps, wdt = cfg.normalization_layer_epsilon, jnp.dtype(cfg.weight_dtype)
-        self.attn_type, self.mlp_type = spec.attn, spec.mlp
-        self.input_norm = norms.RMSNorm(cfg.emb_dim, eps=eps, param_dtype=wdt)
-        if spec.attn not in ATTENTION:
-            raise ValueError(f"layer {spec.index}: unknown attention type {spec.attn!r} (known: {sorted(ATTENTION)})")
-        self.attention = ATTENTION[spec.attn].module(cfg, rngs=rngs)
-        self.post_attention_norm = norms.RMSNorm(cfg.emb_dim, eps=eps, param_dtype=wdt)
-        if spec.mlp == "dense":
-            self.mlp = Mlp(cfg, cfg.mlp_dim, rngs=rngs)
-        elif spec.mlp == "moe":
-            self.mlp = MoE(cfg, rngs=rngs)
+    @classmethod
+    def of(cls, cfg) -> "LayerSpecs":
+        kinds = {kind: entry.spec.of(cfg) for kind, entry in ATTENTION.items()}
+        return cls(WeightsSpec.of(cfg), kinds, MoESpec.of(cfg), cfg.mlp_dim)
+
+
+class DecoderLayer(nnx.Module):
+    """One pre-norm block of `layer.attn` attention and a `layer.mlp` MLP (dense or moe)."""
+
+    def __init__(self, specs: LayerSpecs, layer: LayerSpec, *, rngs: nnx.Rngs):
+        w = specs.weights
+        eps, wdt = w.normalization_layer_epsilon, jnp.dtype(w.weight_dtype)
+        self.attn_type, self.mlp_type = layer.attn, layer.mlp
+        self.input_norm = norms.RMSNorm(w.emb_dim, eps=eps, param_dtype=wdt)
+        if layer.attn not in ATTENTION:
+            raise ValueError(f"layer {layer.index}: unknown attention type {layer.attn!r} (known: {sorted(ATTENTION)})")
+        self.attention = ATTENTION[layer.attn].module(specs.attention[layer.attn], rngs=rngs)
+        self.post_attention_norm = norms.RMSNorm(w.emb_dim, eps=eps, param_dtype=wdt)
+        if layer.mlp == "dense":
+            self.mlp = Mlp(w, specs.mlp_dim, rngs=rngs)
+        elif layer.mlp == "moe":
+            self.mlp = MoE(specs.moe, rngs=rngs)
         else:
-            raise ValueError(f"layer {spec.index}: unknown mlp type {spec.mlp!r}")
+            raise ValueError(f"layer {layer.index}: unknown mlp type {layer.mlp!r}")
 
     def _block(self, x_BTE, attend, valid_BT):
         """x + attend(norm(x)), then the MLP: (x [B,T,E], MoEAux or None)."""
@@ -111,13 +126,14 @@ class Ling2Decoder(LayerStack):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         plan = layer_plan(cfg)
         self.remat_policy = cfg.remat_policy
-        self.embed = Embed(cfg, rngs=rngs)
-        self.init_layers(plan, [DecoderLayer(cfg, spec, rngs=rngs) for spec in plan.layers])
+        specs, embed = LayerSpecs.of(cfg), EmbedSpec.of(cfg)
+        self.embed = Embed(embed, rngs=rngs)
+        self.init_layers(plan, [DecoderLayer(specs, layer, rngs=rngs) for layer in plan.layers])
         self.final_norm = norms.RMSNorm(cfg.emb_dim, eps=cfg.normalization_layer_epsilon,
                                         param_dtype=jnp.dtype(cfg.weight_dtype))
         self.tied = cfg.logits_via_embedding
         self.logits_dtype = "float32" if cfg.float32_logits else cfg.dtype
-        self.lm_head = None if self.tied else LMHead(cfg, rngs=rngs)
+        self.lm_head = None if self.tied else LMHead(embed, rngs=rngs)
         self.loss_vocab_blocks, self.dtype, self.vocab_size = cfg.loss_vocab_blocks, cfg.dtype, cfg.vocab_size
 
     def _run(self, layer, layer_index, x, positions, segment_ids, valid):

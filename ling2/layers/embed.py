@@ -7,17 +7,18 @@ lm_head.weight [V, E] (the transpose of `LMHead.kernel`).
 import jax.numpy as jnp
 from flax import nnx
 
+from ling2.config.specs import EmbedSpec
 from ling2.layers.sharding import constrain
 
 
 class Embed(nnx.Module):
-    """Looks up token ids [B, T] -> [B, T, E] in cfg.dtype."""
+    """Looks up token ids [B, T] -> [B, T, E] in the compute dtype."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        init = nnx.initializers.normal(cfg.init_std)
-        self.embedding = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.emb_dim), jnp.dtype(cfg.weight_dtype)),
+    def __init__(self, spec: EmbedSpec, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(spec.init_std)
+        self.embedding = nnx.Param(init(rngs.params(), (spec.vocab_size, spec.emb_dim), jnp.dtype(spec.weight_dtype)),
                                    out_sharding=("vocab", "embed"), eager_sharding=False)
-        self.dtype = cfg.dtype
+        self.dtype = spec.dtype
 
     def __call__(self, ids_BT):
         x_BTE = jnp.take(self.embedding[...], ids_BT, axis=0).astype(jnp.dtype(self.dtype))
@@ -30,14 +31,14 @@ class Embed(nnx.Module):
 
 
 class LMHead(nnx.Module):
-    """Untied output projection [B, T, E] -> logits [B, T, V], fp32 when cfg.float32_logits."""
+    """Untied output projection [B, T, E] -> logits [B, T, V], fp32 with float32_logits."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        init = nnx.initializers.normal(cfg.init_std)
-        self.kernel = nnx.Param(init(rngs.params(), (cfg.emb_dim, cfg.vocab_size), jnp.dtype(cfg.weight_dtype)),
+    def __init__(self, spec: EmbedSpec, *, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(spec.init_std)
+        self.kernel = nnx.Param(init(rngs.params(), (spec.emb_dim, spec.vocab_size), jnp.dtype(spec.weight_dtype)),
                                 out_sharding=("embed", "vocab"), eager_sharding=False)
-        self.dtype = cfg.dtype
-        self.out_dtype = "float32" if cfg.float32_logits else cfg.dtype
+        self.dtype = spec.dtype
+        self.out_dtype = "float32" if spec.float32_logits else spec.dtype
 
     def __call__(self, x_BTE):
         w = self.kernel[...].astype(jnp.dtype(self.dtype))

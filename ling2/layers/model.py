@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from ling2.config import Config
+from ling2.config.specs import RouterSpec
 from ling2.layers import moe
 from ling2.layers.attention import ATTENTION
 from ling2.layers.decoder import DecoderOutput, Ling2Decoder
@@ -96,7 +97,7 @@ def expert_bias_rows(cfg) -> dict:
 def update_expert_biases(tree, counts: dict, cfg):
     """`tree` (an nnx.State) with each expert bias moved once by loss-free balancing, from the step's
     assignments {layer index: [E]} summed over its micro-batches; every other Variable as it is."""
-    rows = expert_bias_rows(cfg)
+    rows, router = expert_bias_rows(cfg), RouterSpec.of(cfg)
 
     def update(path, var):
         layers = rows.get(tuple(k.key for k in path))
@@ -104,7 +105,7 @@ def update_expert_biases(tree, counts: dict, cfg):
             return var
         bias = var[...]
         bias_RE = bias.reshape(len(layers), -1)
-        new_RE = jnp.stack([bias_update(bias_RE[r], counts[i], cfg) for r, i in enumerate(layers)])
+        new_RE = jnp.stack([bias_update(bias_RE[r], counts[i], router) for r, i in enumerate(layers)])
         return var.replace(new_RE.reshape(bias.shape).astype(bias.dtype))
 
     return jax.tree_util.tree_map_with_path(update, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from ling2.config.specs import MoESpec, RouterSpec
 from ling2.layers import moe_ep, moe_experts, moe_gmm, moe_router
 from ling2.layers.moe_experts import Mlp
 from ling2.layers.moe_router import router_metrics, update_routed_bias
@@ -45,9 +46,9 @@ class MoEAux:
         return router_metrics(self.counts, self.stats, k)
 
 
-def bias_update(bias_E, counts_E, cfg):
-    """The once-per-optimizer-step expert bias update, with the config's rate and recentring."""
-    return update_routed_bias(bias_E, counts_E, cfg.routed_bias_update_rate, cfg.routed_bias_zero_mean_update)
+def bias_update(bias_E, counts_E, spec: RouterSpec):
+    """The once-per-optimizer-step expert bias update, with the configured rate and recentring."""
+    return update_routed_bias(bias_E, counts_E, spec.routed_bias_update_rate, spec.routed_bias_zero_mean_update)
 
 
 def matmul_params(cfg, active: bool = True) -> int:
@@ -93,24 +94,24 @@ class MoE(nnx.Module):
     """Routed + shared SwiGLU experts. x_BSD -> (y_BSD, MoEAux).
 
     `gmm` picks the dropless grouped matmul: "ragged_dot", "tiled" (fast on CPU), "megablox", or
-    "auto"/None (cfg.moe_gmm_backend; "auto": chosen for the platform lowered for).
+    "auto"/None (moe_gmm_backend; "auto": chosen for the platform lowered for).
     """
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs, gmm: str | None = None):
-        self.cfg = cfg
-        self.gmm = gmm or cfg.moe_gmm_backend
+    def __init__(self, spec: MoESpec, *, rngs: nnx.Rngs, gmm: str | None = None):
+        self.spec = spec
+        self.gmm = gmm or spec.moe_gmm_backend
         if self.gmm not in moe_gmm.GMMS:
             raise ValueError(f"gmm: unknown grouped matmul {self.gmm!r} (one of {moe_gmm.GMMS})")
-        self.gate = moe_router.Router(cfg, rngs=rngs)
-        self.experts = moe_experts.RoutedExperts(cfg, rngs=rngs)
-        width = cfg.shared_experts * cfg.shared_expert_dim
-        self.shared_experts = nnx.data(Mlp(cfg, width, rngs=rngs) if width else None)
+        self.gate = moe_router.Router(spec, rngs=rngs)
+        self.experts = moe_experts.RoutedExperts(spec, rngs=rngs)
+        width = spec.shared_experts * spec.shared_expert_dim
+        self.shared_experts = nnx.data(Mlp(spec, width, rngs=rngs) if width else None)
 
     def __call__(self, x_BSD, valid_BS=None):
-        cfg = self.cfg
+        spec = self.spec
         B, S, D = x_BSD.shape
-        T, K, E = B * S, cfg.num_experts_per_tok, cfg.num_experts
-        dtype = jnp.dtype(cfg.dtype)
+        T, K, E = B * S, spec.num_experts_per_tok, spec.num_experts
+        dtype = jnp.dtype(spec.dtype)
         x_BSD = x_BSD.astype(dtype)
         valid_T = None if valid_BS is None else valid_BS.reshape(T).astype(bool)
 
@@ -120,25 +121,25 @@ class MoE(nnx.Module):
         stats["dropped"] = jnp.zeros((), F32)
         n_tok = jnp.maximum(stats["tokens"], 1)
         z_loss = lb_loss = jnp.zeros((), F32)
-        if cfg.moe_z_loss_weight > 0:
+        if spec.moe_z_loss_weight > 0:
             stats["lse_sq_sum"] = moe_router.z_loss_sum(r.logits_TE, valid_T)
-            z_loss = cfg.moe_z_loss_weight * stats["lse_sq_sum"] / n_tok
-        if cfg.load_balance_loss_weight > 0:
-            lb_loss = cfg.load_balance_loss_weight * moe_router.load_balance_loss(r.scores_TE, counts_E, valid_T)
+            z_loss = spec.moe_z_loss_weight * stats["lse_sq_sum"] / n_tok
+        if spec.load_balance_loss_weight > 0:
+            lb_loss = spec.load_balance_loss_weight * moe_router.load_balance_loss(r.scores_TE, counts_E, valid_T)
 
         w = self.experts.weights(dtype)
         gmm = self.gmm
         experts_BSK, weights_BSK = r.experts_TK.reshape(B, S, K), r.weights_TK.reshape(B, S, K)
         mesh = jax.sharding.get_abstract_mesh()
         mesh_shape = {} if mesh.empty else dict(mesh.shape)
-        path = dispatch_path(sparse_matmul=cfg.sparse_matmul, gmm=gmm, mesh_shape=mesh_shape, tokens=T, k=K,
+        path = dispatch_path(sparse_matmul=spec.sparse_matmul, gmm=gmm, mesh_shape=mesh_shape, tokens=T, k=K,
                              num_experts=E)
         if path == "dense_capacity":
-            y_BSD, kept_BSK = moe_experts.dense_capacity(x_BSD, experts_BSK, weights_BSK, w, cfg.capacity_factor)
+            y_BSD, kept_BSK = moe_experts.dense_capacity(x_BSD, experts_BSK, weights_BSK, w, spec.capacity_factor)
             dropped_BSK = ~kept_BSK if valid_BS is None else ~kept_BSK & valid_BS.astype(bool)[..., None]
             stats["dropped"] = dropped_BSK.astype(F32).sum()
         elif path in ("expert_parallel", "per_device"):
-            y_BSD = moe_ep.dropless_ep(x_BSD, experts_BSK, weights_BSK, w, mesh=mesh, rules=cfg.logical_axis_rules,
+            y_BSD = moe_ep.dropless_ep(x_BSD, experts_BSK, weights_BSK, w, mesh=mesh, rules=spec.logical_axis_rules,
                                        gmm=gmm)
         elif path == "gathered":
             y_BSD = moe_experts.gathered(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w).reshape(B, S, D)

@@ -15,14 +15,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ling2.config.specs import MoESpec, WeightsSpec
 from ling2.layers.moe_gmm import gather_rows, grouped_ffn
 
 F32 = jnp.float32
 
 
-def _param(rngs, cfg, shape, names):
-    init = nnx.initializers.normal(cfg.init_std)
-    return nnx.Param(init(rngs.params(), shape, jnp.dtype(cfg.weight_dtype)), out_sharding=names, eager_sharding=False)
+def _param(rngs, spec: WeightsSpec, shape, names):
+    init = nnx.initializers.normal(spec.init_std)
+    return nnx.Param(init(rngs.params(), shape, jnp.dtype(spec.weight_dtype)), out_sharding=names, eager_sharding=False)
 
 
 def swiglu(x, wg, wu, wd):
@@ -32,11 +33,11 @@ def swiglu(x, wg, wu, wd):
 class Mlp(nnx.Module):
     """Dense SwiGLU MLP, D -> width -> D (HF gate_proj/up_proj/down_proj, kernels stored [in, out])."""
 
-    def __init__(self, cfg, width: int, *, rngs: nnx.Rngs):
-        self.dtype = jnp.dtype(cfg.dtype)
-        self.gate_proj = _param(rngs, cfg, (cfg.emb_dim, width), ("embed", "mlp"))
-        self.up_proj = _param(rngs, cfg, (cfg.emb_dim, width), ("embed", "mlp"))
-        self.down_proj = _param(rngs, cfg, (width, cfg.emb_dim), ("mlp", "embed"))
+    def __init__(self, spec: WeightsSpec, width: int, *, rngs: nnx.Rngs):
+        self.dtype = jnp.dtype(spec.dtype)
+        self.gate_proj = _param(rngs, spec, (spec.emb_dim, width), ("embed", "mlp"))
+        self.up_proj = _param(rngs, spec, (spec.emb_dim, width), ("embed", "mlp"))
+        self.down_proj = _param(rngs, spec, (width, spec.emb_dim), ("mlp", "embed"))
 
     def __call__(self, x_xD):
         dt = self.dtype
@@ -47,11 +48,11 @@ class Mlp(nnx.Module):
 class RoutedExperts(nnx.Module):
     """E SwiGLU experts stacked: gate_proj/up_proj [E, D, F], down_proj [E, F, D]."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        E, D, F = cfg.num_experts, cfg.emb_dim, cfg.base_moe_mlp_dim
-        self.gate_proj = _param(rngs, cfg, (E, D, F), ("exp", "embed", "mlp"))
-        self.up_proj = _param(rngs, cfg, (E, D, F), ("exp", "embed", "mlp"))
-        self.down_proj = _param(rngs, cfg, (E, F, D), ("exp", "mlp", "embed"))
+    def __init__(self, spec: MoESpec, *, rngs: nnx.Rngs):
+        E, D, F = spec.num_experts, spec.emb_dim, spec.base_moe_mlp_dim
+        self.gate_proj = _param(rngs, spec, (E, D, F), ("exp", "embed", "mlp"))
+        self.up_proj = _param(rngs, spec, (E, D, F), ("exp", "embed", "mlp"))
+        self.down_proj = _param(rngs, spec, (E, F, D), ("exp", "mlp", "embed"))
 
     def weights(self, dtype):
         return tuple(p[...].astype(dtype) for p in (self.gate_proj, self.up_proj, self.down_proj))

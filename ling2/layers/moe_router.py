@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ling2.config.specs import RouterSpec
+
 F32 = jnp.float32
 
 
@@ -53,21 +55,21 @@ def select_experts(choice_TE, k: int, n_groups: int, topk_groups: int):
     return experts_TK.astype(jnp.int32)
 
 
-def route(x_TD, kernel_DE, bias_E, cfg) -> Routing:
-    """Routes T tokens. The gate matmul is fp32 at full precision whatever cfg.dtype is.
+def route(x_TD, kernel_DE, bias_E, spec: RouterSpec) -> Routing:
+    """Routes T tokens. The gate matmul is fp32 at full precision whatever the compute dtype is.
 
     The weights are the chosen experts' unbiased scores, divided by their sum (+1e-20) when
     `sigmoid_renormalize` (sigmoid) or `norm_topk_prob` (softmax) asks for it, then times
     `routed_scaling_factor` either way, as the DeepSeek-V3 and Ling 3 routers do."""
     logits_TE = jnp.dot(x_TD.astype(F32), kernel_DE.astype(F32), precision=jax.lax.Precision.HIGHEST)
-    scores_TE = scores_from_logits(logits_TE, cfg.routed_score_func)
+    scores_TE = scores_from_logits(logits_TE, spec.routed_score_func)
     choice_TE = scores_TE if bias_E is None else scores_TE + bias_E.astype(F32)
-    experts_TK = select_experts(choice_TE, cfg.num_experts_per_tok, cfg.n_routing_groups, cfg.topk_routing_group)
+    experts_TK = select_experts(choice_TE, spec.num_experts_per_tok, spec.n_routing_groups, spec.topk_routing_group)
     weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
-    renormalize = cfg.sigmoid_renormalize if cfg.routed_score_func == "sigmoid" else cfg.norm_topk_prob
+    renormalize = spec.sigmoid_renormalize if spec.routed_score_func == "sigmoid" else spec.norm_topk_prob
     if renormalize:
         weights_TK = weights_TK / (weights_TK.sum(-1, keepdims=True) + 1e-20)
-    return Routing(weights_TK * cfg.routed_scaling_factor, experts_TK, logits_TE, scores_TE)
+    return Routing(weights_TK * spec.routed_scaling_factor, experts_TK, logits_TE, scores_TE)
 
 
 class Router(nnx.Module):
@@ -77,21 +79,21 @@ class Router(nnx.Module):
     enable_routed_bias_grad its autodiff gradient is zero; `update_routed_bias` moves it.
     """
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        init = nnx.initializers.normal(cfg.init_std)
-        self.kernel = nnx.Param(init(rngs.params(), (cfg.emb_dim, cfg.num_experts), jnp.dtype(cfg.weight_dtype)),
+    def __init__(self, spec: RouterSpec, *, rngs: nnx.Rngs):
+        self.spec = spec
+        init = nnx.initializers.normal(spec.init_std)
+        self.kernel = nnx.Param(init(rngs.params(), (spec.emb_dim, spec.num_experts), jnp.dtype(spec.weight_dtype)),
                                 out_sharding=("embed", None), eager_sharding=False)
-        bias = RoutedBias(jnp.zeros((cfg.num_experts,), jnp.dtype(cfg.routed_bias_dtype_resolved)))
-        self.expert_bias = nnx.data(bias if cfg.routed_bias else None)
+        bias = RoutedBias(jnp.zeros((spec.num_experts,), jnp.dtype(spec.routed_bias_dtype_resolved)))
+        self.expert_bias = nnx.data(bias if spec.routed_bias else None)
 
     def __call__(self, x_TD) -> Routing:
         bias = None
         if self.expert_bias is not None:
             bias = self.expert_bias[...]
-            if not self.cfg.enable_routed_bias_grad:
+            if not self.spec.enable_routed_bias_grad:
                 bias = jax.lax.stop_gradient(bias)
-        return route(x_TD, self.kernel[...], bias, self.cfg)
+        return route(x_TD, self.kernel[...], bias, self.spec)
 
 
 def expert_counts(experts_TK, num_experts: int, valid_T=None):

@@ -65,7 +65,7 @@ def ref_swiglu(x, wg, wu, wd):
 
 def ref_moe(m: MoE, x_TD, dropped=None):
     """Output [T, D] in float64: sum_k w_k expert_k(x) + shared(x); skips (t, k) in `dropped`."""
-    cfg = m.cfg
+    cfg = m.spec
     f64 = lambda p: np.asarray(p[...], np.float64)
     bias = f64(m.gate.expert_bias) if m.gate.expert_bias is not None else np.zeros(cfg.num_experts)
     experts, weights, _ = ref_route(np.asarray(x_TD, np.float64), f64(m.gate.kernel), bias, cfg)

@@ -24,7 +24,7 @@ from flax import nnx
 
 from ling2.layers import decode as decode_lib
 from ling2.layers import losses, norms
-from ling2.layers.decoder import DecoderLayer, DecoderOutput, remat
+from ling2.layers.decoder import DecoderLayer, DecoderOutput, LayerSpecs, remat
 from ling2.layers.plan import LayerSpec, layer_plan
 
 
@@ -88,17 +88,18 @@ class MTPOutput(NamedTuple):
 class MTPDepth(nnx.Module):
     """One next-n module: enorm, hnorm, eh_proj [2E, E], a MLA + MoE DecoderLayer, final norm."""
 
-    def __init__(self, cfg, spec: LayerSpec, *, rngs: nnx.Rngs):
-        E, eps, wdt = cfg.emb_dim, cfg.normalization_layer_epsilon, jnp.dtype(cfg.weight_dtype)
+    def __init__(self, specs: LayerSpecs, layer: LayerSpec, *, rngs: nnx.Rngs):
+        w = specs.weights
+        E, eps, wdt = w.emb_dim, w.normalization_layer_epsilon, jnp.dtype(w.weight_dtype)
         self.enorm = norms.RMSNorm(E, eps=eps, param_dtype=wdt)
         self.hnorm = norms.RMSNorm(E, eps=eps, param_dtype=wdt)
-        init = nnx.initializers.normal(cfg.init_std)
+        init = nnx.initializers.normal(w.init_std)
         self.eh_proj = nnx.Param(init(rngs.params(), (2 * E, E), wdt), out_sharding=("embed", None),
                                  eager_sharding=False)
-        self.layer = DecoderLayer(cfg, spec, rngs=rngs)
-        self.index = spec.index
+        self.layer = DecoderLayer(specs, layer, rngs=rngs)
+        self.index = layer.index
         self.final_norm = norms.RMSNorm(E, eps=eps, param_dtype=wdt)
-        self.dtype = cfg.dtype
+        self.dtype = w.dtype
 
     def _input(self, emb_BTE, h_BTE):
         x = jnp.concatenate([self.enorm(emb_BTE), self.hnorm(h_BTE.astype(emb_BTE.dtype))], axis=-1)
@@ -125,7 +126,8 @@ class MTP(nnx.Module):
         if cfg.mtp_num_layers < 1:
             raise ValueError("mtp_num_layers: MTP needs >= 1 layer (Ling2Model builds none for 0)")
         self.first_layer_idx = cfg.num_decoder_layers
-        self.depths = nnx.List([MTPDepth(cfg, spec, rngs=rngs) for spec in layer_plan(cfg).mtp])
+        specs = LayerSpecs.of(cfg)
+        self.depths = nnx.List([MTPDepth(specs, layer, rngs=rngs) for layer in layer_plan(cfg).mtp])
         self.pre_norm = cfg.mtp_hidden_pre_norm
         self.remat_policy = cfg.remat_policy
 

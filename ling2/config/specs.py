@@ -1,0 +1,123 @@
+"""Small frozen specs: each model module's slice of the config, derived once from the flat Config.
+
+A spec's fields are named exactly as the Config fields (or derived properties) they copy, so
+`GLASpec.of(cfg)` is the GLA layer's whole view of a run's settings and its signature says what it
+reads. Specs are frozen and hashable (lists become tuples), so modules keep them as static fields.
+The YAML keys users write are the Config's; specs add no names of their own.
+"""
+
+import dataclasses
+
+
+def _frozen(x):
+    if isinstance(x, (list, tuple)):
+        return tuple(_frozen(v) for v in x)
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    @classmethod
+    def of(cls, cfg):
+        """This spec's fields read from `cfg` (a Config)."""
+        return cls(**{f.name: _frozen(getattr(cfg, f.name)) for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsSpec(Spec):
+    """What every module with weights reads: width, dtypes, init, norm epsilon and sharding rules."""
+    emb_dim: int
+    dtype: str
+    weight_dtype: str
+    init_std: float
+    normalization_layer_epsilon: float
+    logical_axis_rules: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSpec(Spec):
+    """RoPE / YaRN frequencies and scaling (`ling2.layers.yarn`)."""
+    rotary_dim: int
+    rope_type: str
+    rope_max_timescale: float
+    rope_factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+    mscale_all_dim: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedSpec(WeightsSpec):
+    vocab_size: int
+    float32_logits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MLASpec(WeightsSpec, RopeSpec):
+    num_query_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    qk_head_dim: int
+    v_head_dim: int
+    mla_interleaved_rope: bool
+    mla_output_gate: bool
+    attention_kernel: str
+    attention_block_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GLASpec(WeightsSpec, RopeSpec):
+    num_query_heads: int
+    head_dim: int
+    num_decoder_layers: int
+    use_qk_norm: bool
+    use_linear_silu: bool
+    group_norm_size: int
+    gla_slope_layer_offset: int
+    gla_chunk_size: int
+    gla_backend: str
+
+
+@dataclasses.dataclass(frozen=True)
+class KDASpec(WeightsSpec):
+    num_query_heads: int
+    head_dim: int
+    kda_conv_kernel_size: int
+    kda_safe_gate: bool
+    kda_lower_bound: float
+    kda_chunk_size: int
+    kda_backend: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterSpec(WeightsSpec):
+    """Routing and the loss-free expert bias."""
+    num_experts: int
+    num_experts_per_tok: int
+    routed_score_func: str
+    n_routing_groups: int
+    topk_routing_group: int
+    sigmoid_renormalize: bool
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    routed_bias: bool
+    routed_bias_dtype_resolved: str
+    enable_routed_bias_grad: bool
+    routed_bias_update_rate: float
+    routed_bias_zero_mean_update: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec(RouterSpec):
+    base_moe_mlp_dim: int
+    shared_experts: int
+    shared_expert_dim: int
+    capacity_factor: float
+    sparse_matmul: bool
+    moe_gmm_backend: str
+    load_balance_loss_weight: float
+    moe_z_loss_weight: float
