@@ -57,7 +57,7 @@ def test_tail_rule_makes_trailing_partial_group_mla():
 
 def test_tiny_structure():
     cfg = load_config(model_name="ling2-tiny")
-    assert cfg.num_decoder_layers == 10
+    assert cfg.base_num_decoder_layers == 10
     assert [i for i, t in enumerate(cfg.layer_types) if t == "mla"] == [4, 9]
     assert cfg.mlp_types[0] == "dense" and set(cfg.mlp_types[1:]) == {"moe"}
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.n_routing_groups, cfg.topk_routing_group) == (16, 4, 4, 2)

@@ -345,26 +345,6 @@ class Config(*GROUPS):
         return self._mlp_types
 
     @property
-    def emb_dim(self) -> int:
-        return self.base_emb_dim
-
-    @property
-    def mlp_dim(self) -> int:
-        return self.base_mlp_dim
-
-    @property
-    def num_decoder_layers(self) -> int:
-        return self.base_num_decoder_layers
-
-    @property
-    def num_query_heads(self) -> int:
-        return self.base_num_query_heads
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.base_num_kv_heads
-
-    @property
     def qk_head_dim(self) -> int:
         """MLA q/k head dim: nope + rope."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim

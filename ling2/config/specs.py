@@ -1,6 +1,7 @@
 """Small frozen specs: each model module's slice of the config, derived once from the flat Config.
 
-A spec's fields are named exactly as the Config fields (or derived properties) they copy, so
+A spec's fields are named as the Config fields (or derived properties) they copy (`SOURCE` names
+the few read from a base_* key), so
 `GLASpec.of(cfg)` is the GLA layer's whole view of a run's settings and its signature says what it
 reads. Specs are frozen and hashable (lists become tuples), so modules keep them as static fields.
 The YAML keys users write are the Config's; specs add no names of their own.
@@ -15,12 +16,18 @@ def _frozen(x):
     return x
 
 
+# Spec fields read from a Config field of another name: MaxText's base_* keys, whose values the modules
+# use as they are.
+SOURCE = {"emb_dim": "base_emb_dim", "num_query_heads": "base_num_query_heads",
+          "num_decoder_layers": "base_num_decoder_layers"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     @classmethod
     def of(cls, cfg):
         """This spec's fields read from `cfg` (a Config)."""
-        return cls(**{f.name: _frozen(getattr(cfg, f.name)) for f in dataclasses.fields(cls)})
+        return cls(**{f.name: _frozen(getattr(cfg, SOURCE.get(f.name, f.name))) for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass(frozen=True)

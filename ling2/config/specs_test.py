@@ -1,5 +1,5 @@
 """Module specs: each is a frozen, hashable slice of the Config that every model file can derive, with the
-Config's own values (fields named as the Config's)."""
+Config's own values (fields named as the Config's, or as specs.SOURCE maps them)."""
 
 import dataclasses
 
@@ -21,7 +21,7 @@ def test_every_spec_derives_from_every_model(model):
         with pytest.raises(dataclasses.FrozenInstanceError):
             spec.emb_dim = 1 if hasattr(spec, "emb_dim") else spec.rotary_dim
         for f in dataclasses.fields(cls):
-            want = getattr(cfg, f.name)
+            want = getattr(cfg, specs.SOURCE.get(f.name, f.name))
             assert getattr(spec, f.name) == (tuple((n, tuple(a) if a else a) for n, a in want)
                                              if f.name == "logical_axis_rules" else want), f.name
 
@@ -32,3 +32,11 @@ def test_a_spec_is_a_slice_not_the_whole_config():
     assert kda.kda_conv_kernel_size == cfg.kda_conv_kernel_size
     assert not hasattr(kda, "gla_chunk_size") and not hasattr(kda, "num_experts")
     assert len(dataclasses.fields(specs.MoESpec)) < len(type(cfg).model_fields) / 2
+
+
+def test_base_keys_are_read_under_the_modules_names():
+    """The YAML keeps MaxText's base_* keys; the Config has no identity aliases of them, the specs do."""
+    cfg = load_config(model_name="ling2-tiny", base_emb_dim=96, base_num_query_heads=3, base_num_kv_heads=3)
+    assert not hasattr(cfg, "emb_dim") and not hasattr(cfg, "num_query_heads")
+    gla = specs.GLASpec.of(cfg)
+    assert (gla.emb_dim, gla.num_query_heads, gla.num_decoder_layers) == (96, 3, cfg.base_num_decoder_layers)

@@ -66,7 +66,7 @@ def test_layouts_place_tensors_as_the_model_uses_them(tmp_path, hf_tiny):
     m = ckpt_state.load_state(tmp_path / "l2", cfg)["mtp"]["depths"][0]
     np.testing.assert_array_equal(m["eh_proj"], ref["model.layers.10.eh_proj.weight"].T)
     np.testing.assert_array_equal(m["final_norm"]["weight"], ref["model.layers.10.final_layernorm.weight"])
-    assert E == cfg.emb_dim and H == cfg.num_query_heads and D == cfg.head_dim
+    assert E == cfg.base_emb_dim and H == cfg.base_num_query_heads and D == cfg.head_dim
 
 
 def test_bf16_round_trip(tmp_path, tiny):

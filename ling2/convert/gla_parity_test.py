@@ -33,7 +33,7 @@ def alibi(n):
 def hf_gla_layer(w, pre, x, cfg, layer_idx):
     """x [B,T,E] float64 -> [B,T,E], from HF tensors `w` of layer `pre`."""
     B, T, E = x.shape
-    H, D, eps = cfg.num_query_heads, cfg.head_dim, cfg.normalization_layer_epsilon
+    H, D, eps = cfg.base_num_query_heads, cfg.head_dim, cfg.normalization_layer_epsilon
     qkv = (x @ w[pre + "query_key_value.weight"].T).reshape(B, T, 3 * H, D)
     q, k, v = qkv[:, :, :H], qkv[:, :, H:2 * H], qkv[:, :, 2 * H:]
     q, k = rms(q, w[pre + "query_layernorm.weight"], eps), rms(k, w[pre + "key_layernorm.weight"], eps)
@@ -48,7 +48,7 @@ def hf_gla_layer(w, pre, x, cfg, layer_idx):
         return np.concatenate([r * cos + half * sin, a[..., rd:]], -1)
 
     q, k = rope(q), rope(k)
-    L = cfg.num_decoder_layers
+    L = cfg.base_num_decoder_layers
     slope = alibi(H) * (1 - (layer_idx - 1) / (L - 1) + 1e-5)
     S = np.zeros((B, H, D, D))
     o = np.zeros((B, T, H, D))
@@ -72,7 +72,7 @@ def test_converted_gla_layer_matches_numpy_reference(tmp_path, scan):
     model = nnx.eval_shape(lambda: Ling2Model(cfg, rngs=nnx.Rngs(0)))
     load_into(model, tmp_path / "l2", cfg)
     layers = dict(model.decoder.unstacked())
-    x = np.random.default_rng(1).standard_normal((2, 9, cfg.emb_dim)).astype(np.float32)
+    x = np.random.default_rng(1).standard_normal((2, 9, cfg.base_emb_dim)).astype(np.float32)
     pos = np.broadcast_to(np.arange(9), (2, 9))
     for i in (0, 6):  # layer 0: unscanned prefix; layer 6: inside the first scanned group when scan
         assert cfg.layer_types[i] == "gla"

@@ -348,9 +348,9 @@ TORCH_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16
 def _generated(cfg, layout: str) -> dict:
     shared_width = cfg.shared_experts * cfg.shared_expert_dim
     common = {
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.emb_dim, "intermediate_size": cfg.mlp_dim,
-        "num_hidden_layers": cfg.num_decoder_layers, "num_attention_heads": cfg.num_query_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.base_emb_dim, "intermediate_size": cfg.base_mlp_dim,
+        "num_hidden_layers": cfg.base_num_decoder_layers, "num_attention_heads": cfg.base_num_query_heads,
+        "num_key_value_heads": cfg.base_num_kv_heads, "hidden_act": "silu",
         "rms_norm_eps": cfg.normalization_layer_epsilon, "tie_word_embeddings": cfg.logits_via_embedding,
         "initializer_range": cfg.init_std, "max_position_embeddings": cfg.max_position_embeddings,
         "rope_theta": cfg.rope_max_timescale, "rope_scaling": _rope_scaling(cfg),
@@ -413,12 +413,12 @@ def _hybrid_generated(cfg, common: dict, shared_width: int) -> dict:
         raise HFConfigError(f"{w}: q_lora_rank={cfg.q_lora_rank}: the reference MLA has no q-LoRA (set 0)")
     if cfg.routed_score_func != "sigmoid" or not cfg.routed_bias or not cfg.mla_interleaved_rope:
         raise HFConfigError(f"{w}: needs routed_score_func sigmoid, routed_bias and mla_interleaved_rope")
-    if cfg.num_kv_heads != cfg.num_query_heads:
+    if cfg.base_num_kv_heads != cfg.base_num_query_heads:
         raise HFConfigError(f"{w}: base_num_kv_heads must equal base_num_query_heads")
     if shared_width % cfg.base_moe_mlp_dim:
         raise HFConfigError(f"{w}: the shared expert width {shared_width} is not a multiple of "
                             f"base_moe_mlp_dim={cfg.base_moe_mlp_dim}")
-    G, L = cfg.inhomogeneous_layer_cycle_interval, cfg.num_decoder_layers
+    G, L = cfg.inhomogeneous_layer_cycle_interval, cfg.base_num_decoder_layers
     out = {k: v for k, v in common.items() if k not in ("q_lora_rank", "rope_interleave", "rope_scaling")}
     rs = _rope_scaling(cfg)
     rope = {"rope_type": "default", "rope_theta": cfg.rope_max_timescale} if rs is None else {
@@ -431,7 +431,7 @@ def _hybrid_generated(cfg, common: dict, shared_width: int) -> dict:
         "architectures": ["BailingHybridForCausalLM"], "model_type": "bailing_hybrid", "rope_parameters": rope,
         "num_experts": cfg.num_experts, "num_shared_experts": shared_width // cfg.base_moe_mlp_dim,
         "moe_renormalize": cfg.sigmoid_renormalize, "attention_bias": False, "head_dim": cfg.qk_rope_head_dim,
-        "linear_head_dim": cfg.head_dim, "linear_num_heads": cfg.num_query_heads,
+        "linear_head_dim": cfg.head_dim, "linear_num_heads": cfg.base_num_query_heads,
         "qk_head_dim": cfg.qk_head_dim, "short_conv_kernel_size": cfg.kda_conv_kernel_size,
         "linear_conv_kernel_dim": cfg.kda_conv_kernel_size, "layer_group_size": G,
         "kda_safe_gate": cfg.kda_safe_gate, "kda_lower_bound": cfg.kda_lower_bound,

@@ -107,7 +107,7 @@ def test_native_export_is_loadable_by_the_official_code(tiny):
                               "AutoModelForCausalLM": "modeling_bailing_moe_v2_5.BailingMoeV2_5ForCausalLM"}
     view = official_view(hf)
     assert view["num_shared_experts"] * view["moe_intermediate_size"] == tiny.shared_expert_dim == 128
-    assert view["num_key_value_heads"] == view["num_attention_heads"] == tiny.num_query_heads
+    assert view["num_key_value_heads"] == view["num_attention_heads"] == tiny.base_num_query_heads
     assert set(OFFICIAL) <= set(hf)  # every field written out, none left to a default
     odd = load_config(model_name="ling2-tiny", moe_shared_expert_dim=96)
     with pytest.raises(hf_config.HFConfigError, match="not a multiple of base_moe_mlp_dim"):

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
                                   allow_missing_mtp=a.allow_missing_mtp, overrides=a.set, progress=not a.no_progress)
     except USER_ERRORS as e:
         return report(e)
-    print(f"wrote {a.out}: {cfg.num_decoder_layers} layers + {cfg.mtp_num_layers} MTP, scan_layers={cfg.scan_layers}")
+    print(f"wrote {a.out}: {cfg.base_num_decoder_layers} layers + {cfg.mtp_num_layers} MTP, scan_layers={cfg.scan_layers}")
     return 0
 
 

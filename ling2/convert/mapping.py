@@ -126,5 +126,5 @@ def ignorable(name: str, layout: str, cfg) -> bool:
         return True
     if layout == "deepseek_v3" and name.startswith("model.layers."):
         i = int(name.split(".")[2])
-        return i >= cfg.num_decoder_layers and name.split(".", 3)[3] in ("embed_tokens.weight", "shared_head.head.weight")
+        return i >= cfg.base_num_decoder_layers and name.split(".", 3)[3] in ("embed_tokens.weight", "shared_head.head.weight")
     return False

@@ -55,13 +55,13 @@ def layer_slopes(num_heads: int, layer_idx: int, num_layers: int, offset: int = 
 
 def matmul_params(cfg) -> int:
     """Weights a token is multiplied by: qkv, g_proj and dense."""
-    return 5 * cfg.emb_dim * cfg.num_query_heads * cfg.head_dim
+    return 5 * cfg.base_emb_dim * cfg.base_num_query_heads * cfg.head_dim
 
 
 def mixing_flops(cfg, seq_len: int) -> float:
     """Forward token-mixing FLOPs per token (chunked, chunk C): per head the state read q.S and
     update k^T v (4 D^2) plus the causal intra-chunk scores and their product with v (2 D C)."""
-    H, D = cfg.num_query_heads, cfg.head_dim
+    H, D = cfg.base_num_query_heads, cfg.head_dim
     return H * (4 * D * D + 2 * D * min(cfg.gla_chunk_size, seq_len))
 
 

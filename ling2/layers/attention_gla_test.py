@@ -16,6 +16,7 @@ from ling2.config import load_config
 from ling2.kernels.testing import fla_reference
 from ling2.layers import decode, sharding
 from ling2.layers.attention_gla import GatedLinearAttention, alibi_base_slopes, layer_slopes
+from ling2.config.specs import GLASpec
 
 B, T = 2, 20
 _call = nnx.jit(lambda m, x, p, s=None, i=2: m(x, p, s, layer_index=i), static_argnames="i")
@@ -33,7 +34,7 @@ def _cfg(**overrides):
 
 def _np_layer(cfg, params, x, positions, layer_idx, offset=-1):
     """Whole layer in float64 numpy; one document per row."""
-    H, D, L, G = cfg.num_query_heads, cfg.head_dim, cfg.num_decoder_layers, cfg.group_norm_size
+    H, D, L, G = cfg.base_num_query_heads, cfg.head_dim, cfg.base_num_decoder_layers, cfg.group_norm_size
     eps, R = cfg.normalization_layer_epsilon, cfg.rotary_dim
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     qkv = np.einsum("bte,eshd->btshd", x, p["qkv"])
@@ -89,7 +90,7 @@ def _inputs(seed=0, t=T):
 ])
 def test_layer_matches_numpy_reference(overrides, layer_idx):
     cfg = _cfg(**overrides)
-    layer = GatedLinearAttention(cfg, rngs=nnx.Rngs(0))
+    layer = GatedLinearAttention(GLASpec.of(cfg), rngs=nnx.Rngs(0))
     _randomize_norms(layer, 1)
     x, pos = _inputs()
     got = _call(layer, jnp.asarray(x), jnp.asarray(pos), i=layer_idx)
@@ -99,7 +100,7 @@ def test_layer_matches_numpy_reference(overrides, layer_idx):
 
 def test_packed_documents_match_separate_runs():
     cfg = _cfg()
-    layer = GatedLinearAttention(cfg, rngs=nnx.Rngs(0))
+    layer = GatedLinearAttention(GLASpec.of(cfg), rngs=nnx.Rngs(0))
     x, _ = _inputs(2)
     cut = 7
     seg = np.array([[0] * cut + [1] * (T - cut)] * B)
@@ -112,7 +113,7 @@ def test_packed_documents_match_separate_runs():
 
 def test_prefill_then_decode_matches_full_sequence():
     cfg = _cfg()
-    layer = GatedLinearAttention(cfg, rngs=nnx.Rngs(0))
+    layer = GatedLinearAttention(GLASpec.of(cfg), rngs=nnx.Rngs(0))
     x, pos = _inputs(3, t=11)
     full = _call(layer, jnp.asarray(x), jnp.asarray(pos), i=3)
     out, cache = _prefill(layer, jnp.asarray(x[:, :8]), jnp.asarray(pos[:, :8]), layer.init_cache(B, 16), 3)
@@ -127,7 +128,7 @@ def test_gradients_chunked_equal_naive_backend():
     x, pos = _inputs(4)
 
     def grads(backend):
-        layer = GatedLinearAttention(_cfg(gla_backend=backend), rngs=nnx.Rngs(0))
+        layer = GatedLinearAttention(GLASpec.of(_cfg(gla_backend=backend)), rngs=nnx.Rngs(0))
         loss = lambda m: jnp.sum(jnp.sin(m(jnp.asarray(x), jnp.asarray(pos), layer_index=2)))
         return nnx.grad(loss)(layer)
 
@@ -154,7 +155,7 @@ def test_slope_tables_closed_form():
 def test_sharded_layer_matches_single_device(backend):
     """Batch over data, heads over tensor: shard_map around the kernel; output and weight gradients agree."""
     cfg = _cfg(ici_data_parallelism=2, ici_fsdp_parallelism=1, ici_tensor_parallelism=2, gla_backend=backend)
-    layer = GatedLinearAttention(cfg, rngs=nnx.Rngs(0))
+    layer = GatedLinearAttention(GLASpec.of(cfg), rngs=nnx.Rngs(0))
     x, pos = _inputs(5)
     x, pos, seg = jnp.asarray(x), jnp.asarray(pos), jnp.asarray([[0] * 9 + [1] * (T - 9)] * B)
     loss = lambda m, x: jnp.sum(jnp.sin(m(x, pos, seg, layer_index=2)))
@@ -176,7 +177,7 @@ def test_bf16_compute_close_to_fp32():
     x, pos = _inputs(6)
     outs = []
     for dtype in ("float32", "bfloat16"):
-        layer = GatedLinearAttention(_cfg(dtype=dtype), rngs=nnx.Rngs(0))
+        layer = GatedLinearAttention(GLASpec.of(_cfg(dtype=dtype)), rngs=nnx.Rngs(0))
         outs.append(_call(layer, jnp.asarray(x), jnp.asarray(pos)))
     assert outs[1].dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(outs[1], np.float32), outs[0], rtol=0,

@@ -30,7 +30,7 @@ L2_EPS = 1e-6  # the reference's q/k L2-norm eps, whatever rms_norm_eps is
 
 def matmul_params(cfg) -> int:
     """Weights a token is multiplied by: q, k, v, f, g projections, b_proj and dense."""
-    E, H, D = cfg.emb_dim, cfg.num_query_heads, cfg.head_dim
+    E, H, D = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.head_dim
     return 6 * E * H * D + E * H
 
 
@@ -38,7 +38,7 @@ def mixing_flops(cfg, seq_len: int) -> float:
     """Forward token-mixing FLOPs per token (chunked, chunk C), per head: the state read, decay and
     delta update (6 D^2), the intra-chunk q.k / k.k scores and their products with v (4 D C), the
     short conv (6 D K)."""
-    H, D, C, K = cfg.num_query_heads, cfg.head_dim, min(cfg.kda_chunk_size, seq_len), cfg.kda_conv_kernel_size
+    H, D, C, K = cfg.base_num_query_heads, cfg.head_dim, min(cfg.kda_chunk_size, seq_len), cfg.kda_conv_kernel_size
     return H * (6 * D * D + 4 * D * C + 6 * D * K)
 
 

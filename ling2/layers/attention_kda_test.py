@@ -17,6 +17,7 @@ from ling2.kernels.testing import fla_reference
 from ling2.layers import sharding
 from ling2.layers.attention_kda import KimiDeltaAttention
 from ling2.layers.decode import DecodeOptions
+from ling2.config.specs import KDASpec
 
 B, T = 2, 20
 _call = nnx.jit(lambda m, x, s=None: m(x, None, s))
@@ -78,7 +79,7 @@ def _inputs(seed=0, t=T):
 @pytest.mark.parametrize("overrides", [{}, {"kda_safe_gate": False}, {"kda_backend": "naive"}])
 def test_layer_matches_numpy_reference(overrides):
     cfg = _cfg(**overrides)
-    layer = KimiDeltaAttention(cfg, rngs=nnx.Rngs(0))
+    layer = KimiDeltaAttention(KDASpec.of(cfg), rngs=nnx.Rngs(0))
     _randomize(layer, 1)
     x = _inputs()
     got = _call(layer, jnp.asarray(x))
@@ -87,11 +88,11 @@ def test_layer_matches_numpy_reference(overrides):
 
 
 def test_safe_gate_bounded_and_unsafe_form():
-    layer = KimiDeltaAttention(_cfg(), rngs=nnx.Rngs(0))
+    layer = KimiDeltaAttention(KDASpec.of(_cfg()), rngs=nnx.Rngs(0))
     x = jnp.asarray(_inputs(1)) * 50.0  # saturating gate inputs
     g = layer.gate(x)
     assert g.dtype == jnp.float32 and bool(jnp.all(g <= 0)) and bool(jnp.all(g >= -5.0))
-    unsafe = KimiDeltaAttention(_cfg(kda_safe_gate=False), rngs=nnx.Rngs(0))
+    unsafe = KimiDeltaAttention(KDASpec.of(_cfg(kda_safe_gate=False)), rngs=nnx.Rngs(0))
     f = np.einsum("bte,ehd->bthd", np.asarray(x, np.float64), np.asarray(unsafe.f_proj[...], np.float64))
     f = f + np.asarray(unsafe.dt_bias[...], np.float64)
     want = -np.exp(np.asarray(unsafe.A_log[...], np.float64))[:, None] * np.logaddexp(0, f)
@@ -100,7 +101,7 @@ def test_safe_gate_bounded_and_unsafe_form():
 
 def test_packed_documents_match_separate_runs():
     """Both the conv window and the delta-rule state restart at a document start."""
-    layer = KimiDeltaAttention(_cfg(), rngs=nnx.Rngs(0))
+    layer = KimiDeltaAttention(KDASpec.of(_cfg()), rngs=nnx.Rngs(0))
     x = _inputs(2)
     cut = 7
     seg = np.array([[1] * cut + [2] * (T - cut)] * B)
@@ -115,7 +116,7 @@ def test_packed_documents_match_separate_runs():
 def test_prefill_then_decode_matches_full_sequence():
     """Left-padded prefill (segment 0), a multi-token stepwise continuation with per-token states, then
     single steps, against the unpadded full sequence."""
-    layer = KimiDeltaAttention(_cfg(), rngs=nnx.Rngs(0))
+    layer = KimiDeltaAttention(KDASpec.of(_cfg()), rngs=nnx.Rngs(0))
     x = _inputs(3, t=11)
     full = _call(layer, jnp.asarray(x))
     pad = 3
@@ -150,7 +151,7 @@ def test_gradients_chunked_equal_naive_backend():
     seg = jnp.asarray([[1] * 9 + [2] * (T - 9)] * B)
 
     def grads(backend):
-        layer = KimiDeltaAttention(_cfg(kda_backend=backend), rngs=nnx.Rngs(0))
+        layer = KimiDeltaAttention(KDASpec.of(_cfg(kda_backend=backend)), rngs=nnx.Rngs(0))
         loss = lambda m: jnp.sum(jnp.sin(m(jnp.asarray(x), None, seg)))
         return nnx.grad(loss)(layer)
 
@@ -162,7 +163,7 @@ def test_gradients_chunked_equal_naive_backend():
 def test_sharded_layer_matches_single_device():
     """Batch over data, heads over tensor: shard_map around the kernel; output and weight gradients agree."""
     cfg = _cfg(ici_data_parallelism=2, ici_fsdp_parallelism=1, ici_tensor_parallelism=2, kda_backend="chunked")
-    layer = KimiDeltaAttention(cfg, rngs=nnx.Rngs(0))
+    layer = KimiDeltaAttention(KDASpec.of(cfg), rngs=nnx.Rngs(0))
     x, seg = jnp.asarray(_inputs(5)), jnp.asarray([[1] * 9 + [2] * (T - 9)] * B)
     loss = lambda m, x: jnp.sum(jnp.sin(m(x, None, seg)))
     out_and_grad = nnx.jit(lambda m, x: (m(x, None, seg), nnx.grad(loss)(m, x)))
@@ -183,7 +184,7 @@ def test_bf16_compute_close_to_fp32():
     x = _inputs(6)
     outs = []
     for dtype in ("float32", "bfloat16"):
-        layer = KimiDeltaAttention(_cfg(dtype=dtype), rngs=nnx.Rngs(0))
+        layer = KimiDeltaAttention(KDASpec.of(_cfg(dtype=dtype)), rngs=nnx.Rngs(0))
         outs.append(_call(layer, jnp.asarray(x)))
     assert outs[1].dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(outs[1], np.float32), outs[0], rtol=0,

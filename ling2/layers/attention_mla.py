@@ -146,7 +146,7 @@ def splash_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, *, interpret=Non
 
 def matmul_params(cfg) -> int:
     """Weights a token is multiplied by: the q path, kv_a, kv_b and dense."""
-    E, H = cfg.emb_dim, cfg.num_query_heads
+    E, H = cfg.base_emb_dim, cfg.base_num_query_heads
     Rq, Rkv, Dqk, Dv, Dr = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
     q = E * Rq + Rq * H * Dqk if Rq else E * H * Dqk
     gate = E * H if cfg.mla_output_gate else 0
@@ -156,7 +156,7 @@ def matmul_params(cfg) -> int:
 def mixing_flops(cfg, seq_len: int) -> float:
     """Forward attention FLOPs per token: causal softmax attention over seq_len tokens, the mean
     context being seq_len/2: 2 H (qk_head_dim + v_head_dim) seq_len/2."""
-    return 2 * cfg.num_query_heads * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len / 2
+    return 2 * cfg.base_num_query_heads * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len / 2
 
 
 def hf_params(layout: str) -> list[tuple]:

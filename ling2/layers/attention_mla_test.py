@@ -10,6 +10,7 @@ from flax import nnx
 
 from ling2.config import load_config
 from ling2.layers import attention_mla, decode, yarn
+from ling2.config.specs import MLASpec
 
 
 def tiny(**kw):
@@ -63,7 +64,7 @@ def mla64(cfg, p, x, pos, seg):
 
 def inputs(cfg, B=2, T=12, seed=0):
     rng = np.random.default_rng(seed)
-    x = rng.normal(size=(B, T, cfg.emb_dim)).astype(np.float32)
+    x = rng.normal(size=(B, T, cfg.base_emb_dim)).astype(np.float32)
     seg = np.array([[1] * 5 + [2] * 7, [3] * 12])[:B, :T]
     pos = np.array([list(range(5)) + list(range(7)), list(range(12))])[:B, :T]
     return x, pos, seg
@@ -76,7 +77,7 @@ def inputs(cfg, B=2, T=12, seed=0):
 ])
 def test_matches_float64_reference(kw):
     cfg = tiny(**kw)
-    m = attention_mla.MLA(cfg, rngs=nnx.Rngs(0))
+    m = attention_mla.MLA(MLASpec.of(cfg), rngs=nnx.Rngs(0))
     x, pos, seg = inputs(cfg)
     out = m(jnp.asarray(x), jnp.asarray(pos), jnp.asarray(seg))
     ref = mla64(cfg, params64(m), x.astype(np.float64), pos, seg)
@@ -90,9 +91,9 @@ def test_backends_match_dot_product(kernel):
     if kernel == "flash":
         seg = np.repeat(np.array([[1] * 50 + [2] * 78, [3] * 128]), 1, 0)
         pos = np.where(seg[:, :] == 2, np.arange(128) - 50, np.arange(128))
-        x = np.random.default_rng(1).normal(size=(2, 128, cfg.emb_dim)).astype(np.float32)
-    ref_m = attention_mla.MLA(tiny(attention_kernel="dot_product"), rngs=nnx.Rngs(0))
-    m = attention_mla.MLA(tiny(attention_kernel=kernel), rngs=nnx.Rngs(0))
+        x = np.random.default_rng(1).normal(size=(2, 128, cfg.base_emb_dim)).astype(np.float32)
+    ref_m = attention_mla.MLA(MLASpec.of(tiny(attention_kernel="dot_product")), rngs=nnx.Rngs(0))
+    m = attention_mla.MLA(MLASpec.of(tiny(attention_kernel=kernel)), rngs=nnx.Rngs(0))
     args = jnp.asarray(x), jnp.asarray(pos), jnp.asarray(seg)
     np.testing.assert_allclose(np.asarray(m(*args)), np.asarray(ref_m(*args)), rtol=1e-4, atol=1e-5)
 
@@ -117,7 +118,7 @@ def test_blocked_attention_matches_dot_product_with_grads(block):
 def test_blocked_layer_matches_float64_reference():
     """The layer with attention_kernel=blocked and blocks of 3 against the numpy MLA."""
     cfg = tiny(attention_kernel="blocked", attention_block_size=3)
-    m = attention_mla.MLA(cfg, rngs=nnx.Rngs(0))
+    m = attention_mla.MLA(MLASpec.of(cfg), rngs=nnx.Rngs(0))
     x, pos, seg = inputs(cfg)
     out = m(jnp.asarray(x), jnp.asarray(pos), jnp.asarray(seg))
     np.testing.assert_allclose(np.asarray(out), mla64(cfg, params64(m), x.astype(np.float64), pos, seg),
@@ -135,7 +136,7 @@ def _cached(m, mode, x, pos, shared, layer_cache, absorb):
 @pytest.mark.parametrize("absorb", [True, False])
 def test_kv_cache_decode_matches_full_forward(absorb):
     cfg = tiny()
-    m = attention_mla.MLA(cfg, rngs=nnx.Rngs(0))
+    m = attention_mla.MLA(MLASpec.of(cfg), rngs=nnx.Rngs(0))
     x, pos, _ = inputs(cfg, B=2, T=9)
     pos = np.broadcast_to(np.arange(9), (2, 9))
     full = np.asarray(m(jnp.asarray(x), jnp.asarray(pos)))
@@ -154,7 +155,7 @@ def test_kv_cache_decode_matches_full_forward(absorb):
 
 def test_causal_and_packing_isolation():
     cfg = tiny()
-    m = attention_mla.MLA(cfg, rngs=nnx.Rngs(0))
+    m = attention_mla.MLA(MLASpec.of(cfg), rngs=nnx.Rngs(0))
     x, pos, seg = inputs(cfg, B=1)
     base = np.asarray(m(jnp.asarray(x), jnp.asarray(pos), jnp.asarray(seg)))
     x2 = x.copy()
@@ -179,9 +180,9 @@ def test_matches_transformers_deepseek_v3(cfg_kw):
 
     cfg = load_config(**{**YARN, **cfg_kw}) if "model_name" in cfg_kw else tiny(**YARN, **cfg_kw)
     q_lora = cfg.q_lora_rank
-    m = attention_mla.MLA(cfg, rngs=nnx.Rngs(3))
+    m = attention_mla.MLA(MLASpec.of(cfg), rngs=nnx.Rngs(3))
     p = params64(m)
-    E, H = cfg.emb_dim, cfg.num_query_heads
+    E, H = cfg.base_emb_dim, cfg.base_num_query_heads
     hf_cfg = ds.DeepseekV3Config(
         hidden_size=E, num_attention_heads=H, num_key_value_heads=H, q_lora_rank=q_lora or None,
         kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
@@ -216,7 +217,7 @@ def test_matches_transformers_deepseek_v3(cfg_kw):
 
 def test_param_shapes_and_logical_names():
     cfg = tiny()
-    m = attention_mla.MLA(cfg, rngs=nnx.Rngs(0))
+    m = attention_mla.MLA(MLASpec.of(cfg), rngs=nnx.Rngs(0))
     got = {"/".join(map(str, k)): (v.shape, tuple(v.get_metadata()["out_sharding"]))
            for k, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}
     assert got == {

@@ -50,7 +50,7 @@ class LayerSpecs(NamedTuple):
     @classmethod
     def of(cls, cfg) -> "LayerSpecs":
         kinds = {kind: entry.spec.of(cfg) for kind, entry in ATTENTION.items()}
-        return cls(WeightsSpec.of(cfg), kinds, MoESpec.of(cfg), cfg.mlp_dim)
+        return cls(WeightsSpec.of(cfg), kinds, MoESpec.of(cfg), cfg.base_mlp_dim)
 
 
 class DecoderLayer(nnx.Module):
@@ -129,7 +129,7 @@ class Ling2Decoder(LayerStack):
         specs, embed = LayerSpecs.of(cfg), EmbedSpec.of(cfg)
         self.embed = Embed(embed, rngs=rngs)
         self.init_layers(plan, [DecoderLayer(specs, layer, rngs=rngs) for layer in plan.layers])
-        self.final_norm = norms.RMSNorm(cfg.emb_dim, eps=cfg.normalization_layer_epsilon,
+        self.final_norm = norms.RMSNorm(cfg.base_emb_dim, eps=cfg.normalization_layer_epsilon,
                                         param_dtype=jnp.dtype(cfg.weight_dtype))
         self.tied = cfg.logits_via_embedding
         self.logits_dtype = "float32" if cfg.float32_logits else cfg.dtype

@@ -12,6 +12,7 @@ from flax import nnx
 from ling2.config import load_config
 from ling2.layers import decoder
 from ling2.layers.plan import layer_plan, scan_layout
+from ling2.config.specs import GLASpec
 
 # 7 layers in groups of 2 (GLA + MLA): layer 0 dense -> prefix [0, 2), scanned groups
 # [2, 4) and [4, 6), suffix [6] (a trailing partial group, MLA).
@@ -88,7 +89,7 @@ def test_layer_plan_places_every_layer():
     flat = layer_plan(small(mtp_num_layers=0))
     assert [s.path for s in flat.all()] == [("decoder", "layers", i) for i in range(7)] and not flat.scan
     with pytest.raises(ValueError, match="one pattern"):  # scanned groups must repeat one layer pattern
-        layer_plan(types.SimpleNamespace(num_decoder_layers=4, inhomogeneous_layer_cycle_interval=2,
+        layer_plan(types.SimpleNamespace(base_num_decoder_layers=4, inhomogeneous_layer_cycle_interval=2,
                                          first_num_dense_layers=0, layer_types=("gla", "mla", "mla", "gla"),
                                          mlp_types=("moe",) * 4, scan_layers=True, mtp_num_layers=0))
 
@@ -124,7 +125,7 @@ def test_one_call_path_gives_every_layer_its_index(both):
     """`fold` hands every layer its global index (traced inside the scan) in order, `unstacked` lists the same
     layers, and a layer sliced out of a scanned group is the unscanned model's layer, weight for weight."""
     cfgs, models, _ = both
-    L = cfgs[False].num_decoder_layers
+    L = cfgs[False].base_num_decoder_layers
     for scan, model in models.items():
         kinds = []
 
@@ -150,8 +151,8 @@ def test_scanned_gla_layers_decay_by_their_own_index():
     from ling2.layers.attention_gla import GatedLinearAttention, alibi_base_slopes
 
     cfg = small()
-    layer = GatedLinearAttention(cfg, rngs=nnx.Rngs(0))
-    L, H = cfg.num_decoder_layers, cfg.num_query_heads
+    layer = GatedLinearAttention(GLASpec.of(cfg), rngs=nnx.Rngs(0))
+    L, H = cfg.base_num_decoder_layers, cfg.base_num_query_heads
     for i in (0, 2, 4):
         want = -(alibi_base_slopes(H) * (1 - (i - 1) / (L - 1) + 1e-5)).astype(np.float32)
         np.testing.assert_array_equal(np.asarray(layer.decay(i)), want)

@@ -6,7 +6,6 @@ real LMHead / Embed.attend through `cross_entropy_sums`, differentiated by JAX).
 The sharded test runs on 8 fake CPU devices (BUILD: devices = 8).
 """
 
-import types
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ from ling2.config import load_config
 from ling2.config.schema import MESH_AXES
 from ling2.layers import losses, sharding
 from ling2.layers.embed import Embed, LMHead
+from ling2.config.specs import EmbedSpec
 
 F32 = jnp.float32
 
@@ -132,8 +132,8 @@ def test_argmax_ties_take_the_lowest_id():
 
 
 def lm_cfg(E, V, dtype, float32_logits):
-    return types.SimpleNamespace(init_std=0.3, emb_dim=E, vocab_size=V, weight_dtype="float32", dtype=dtype,
-                                 float32_logits=float32_logits)
+    return EmbedSpec(init_std=0.3, emb_dim=E, vocab_size=V, weight_dtype="float32", dtype=dtype,
+                     float32_logits=float32_logits, normalization_layer_epsilon=1e-6, logical_axis_rules=())
 
 
 @pytest.mark.parametrize("float32_logits", [True, False])

@@ -159,7 +159,7 @@ def count_params(cfg) -> dict:
     out["layers"] = sum(under("decoder", part) for part in ("layers", "prefix", "groups", "suffix"))
     out["decoder"] = under("decoder")
     out["total"] = sum(sizes.values())
-    inactive = 3 * cfg.emb_dim * cfg.base_moe_mlp_dim * (cfg.num_experts - cfg.num_experts_per_tok)
+    inactive = 3 * cfg.base_emb_dim * cfg.base_moe_mlp_dim * (cfg.num_experts - cfg.num_experts_per_tok)
     out["active"] = out["total"] - inactive * sum(s.mlp == "moe" for s in layer_plan(cfg).all())
     return out
 
@@ -174,8 +174,8 @@ def training_flops_per_token(cfg, seq_len: int | None = None) -> float:
     for spec in layer_plan(cfg).all():
         attn = ATTENTION[spec.attn]
         weights += attn.matmul_params(cfg)
-        weights += 3 * cfg.emb_dim * cfg.mlp_dim if spec.mlp == "dense" else moe.matmul_params(cfg, active=True)
+        weights += 3 * cfg.base_emb_dim * cfg.base_mlp_dim if spec.mlp == "dense" else moe.matmul_params(cfg, active=True)
         mixing += attn.mixing_flops(cfg, S)
-    weights += cfg.mtp_num_layers * 2 * cfg.emb_dim * cfg.emb_dim
-    heads = (1 + cfg.mtp_num_layers) * cfg.emb_dim * cfg.vocab_size
+    weights += cfg.mtp_num_layers * 2 * cfg.base_emb_dim * cfg.base_emb_dim
+    heads = (1 + cfg.mtp_num_layers) * cfg.base_emb_dim * cfg.vocab_size
     return 3.0 * (2 * (weights + heads) + mixing)

@@ -27,7 +27,7 @@ def test_counts_equal_built_model(kw):
     assert c["decoder"] == n_params(model.decoder)
     assert c["mtp"] == n_params(model.mtp) > 0
     assert c["total"] == n_params(model)
-    assert c["embed"] == c["lm_head"] == cfg.vocab_size * cfg.emb_dim
+    assert c["embed"] == c["lm_head"] == cfg.vocab_size * cfg.base_emb_dim
 
 
 def test_ling2_hand_count():

@@ -54,7 +54,7 @@ def bias_update(bias_E, counts_E, spec: RouterSpec):
 def matmul_params(cfg, active: bool = True) -> int:
     """Router plus SwiGLU expert weights a token is multiplied by (`active`: its top-k routed experts;
     else all of them) plus the shared experts."""
-    E, N, F = cfg.emb_dim, cfg.num_experts, cfg.base_moe_mlp_dim
+    E, N, F = cfg.base_emb_dim, cfg.num_experts, cfg.base_moe_mlp_dim
     experts = cfg.num_experts_per_tok if active else N
     return E * N + experts * 3 * E * F + 3 * E * cfg.shared_experts * cfg.shared_expert_dim
 

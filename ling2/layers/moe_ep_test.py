@@ -12,6 +12,7 @@ from jax.sharding import AxisType, Mesh
 from ling2.config import load_config
 from ling2.layers import moe_ep
 from ling2.layers.moe import MoE
+from ling2.config.specs import MoESpec
 
 
 def make_mesh(data, expert, fsdp=1, tensor=1):
@@ -35,9 +36,9 @@ def test_ep_forward_and_grads_equal_single_device(gmm, data, expert, fsdp, monke
     assert jax.device_count() == 8
     cfg = load_config(model_name="ling2-tiny", load_balance_loss_weight=0.01, moe_z_loss_weight=0.001,
                       base_moe_mlp_dim=128)  # megablox's tiles: multiples of 128
-    m = MoE(cfg, rngs=nnx.Rngs(0), gmm=gmm)
+    m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0), gmm=gmm)
     m.gate.expert_bias[...] = jax.random.normal(jax.random.key(3), (cfg.num_experts,)) * 0.05
-    x = jax.random.normal(jax.random.key(1), (8, 4, cfg.emb_dim))
+    x = jax.random.normal(jax.random.key(1), (8, 4, cfg.base_emb_dim))
     ct = jax.random.normal(jax.random.key(2), x.shape)
     step = nnx.jit(loss_and_grads)
 
@@ -61,8 +62,8 @@ def test_tensor_parallel_experts_without_expert_axis_are_partitioned_by_xla(monk
     """No shard_map (XLA splits the experts' width over `tensor`); equal to one device; an explicit
     megablox, which XLA cannot partition, is refused by name."""
     cfg = load_config(model_name="ling2-tiny", base_moe_mlp_dim=128)
-    m = MoE(cfg, rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(1), (8, 4, cfg.emb_dim))
+    m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (8, 4, cfg.base_emb_dim))
     ct = jax.random.normal(jax.random.key(2), x.shape)
     step = nnx.jit(loss_and_grads)
     y1, _, gm1, gx1 = step(m, x, ct)
@@ -70,7 +71,7 @@ def test_tensor_parallel_experts_without_expert_axis_are_partitioned_by_xla(monk
     with jax.set_mesh(make_mesh(data=4, expert=1, tensor=2)):
         y8, _, gm8, gx8 = step(m, x, ct)
         with pytest.raises(ValueError, match="megablox: a tensor-parallel mesh"):
-            step(MoE(cfg, rngs=nnx.Rngs(0), gmm="megablox"), x, ct)
+            step(MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0), gmm="megablox"), x, ct)
     np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(gx8, gx1, rtol=1e-4, atol=1e-6)
     for (path, a), (_, b) in zip(nnx.to_flat_state(gm8), nnx.to_flat_state(gm1)):
@@ -79,10 +80,10 @@ def test_tensor_parallel_experts_without_expert_axis_are_partitioned_by_xla(monk
 
 def test_ep_needs_batch_sharded_over_expert_and_divisible_experts():
     cfg = load_config(model_name="ling2-tiny")
-    x = jnp.zeros((2, 4, cfg.emb_dim))  # batch 2 cannot be split over expert=4
+    x = jnp.zeros((2, 4, cfg.base_emb_dim))  # batch 2 cannot be split over expert=4
     with jax.set_mesh(make_mesh(data=2, expert=4)):
         with pytest.raises(ValueError, match="expert"):
-            MoE(cfg, rngs=nnx.Rngs(0))(x)
+            MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0))(x)
     w = (jnp.zeros((6, 128, 8)),) * 2 + (jnp.zeros((6, 8, 128)),)
     with pytest.raises(ValueError, match="not divisible"):
         moe_ep.dropless_ep(jnp.zeros((8, 2, 128)), jnp.zeros((8, 2, 2), jnp.int32), jnp.zeros((8, 2, 2)), w,

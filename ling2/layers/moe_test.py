@@ -14,6 +14,7 @@ from ling2.config import load_config
 from ling2.layers import moe, moe_experts, moe_gmm, moe_router
 from ling2.layers.moe import MoE, MoEAux, bias_update
 from ling2.layers.moe_router import RoutedBias
+from ling2.config.specs import MoESpec
 
 
 def tiny(**kw):
@@ -92,8 +93,8 @@ def randomize_bias(m, seed=3, scale=0.05):
 @pytest.mark.parametrize("sigmoid_renorm", [True, False])
 def test_routing_matches_numpy_loop(score_func, norm, sigmoid_renorm):
     cfg = tiny(routed_score_func=score_func, norm_topk_prob=norm, sigmoid_renormalize=sigmoid_renorm)
-    x = np.asarray(jax.random.normal(jax.random.key(0), (24, cfg.emb_dim)))
-    kernel = np.asarray(jax.random.normal(jax.random.key(1), (cfg.emb_dim, cfg.num_experts)) * 0.1)
+    x = np.asarray(jax.random.normal(jax.random.key(0), (24, cfg.base_emb_dim)))
+    kernel = np.asarray(jax.random.normal(jax.random.key(1), (cfg.base_emb_dim, cfg.num_experts)) * 0.1)
     bias = np.asarray(jax.random.normal(jax.random.key(2), (cfg.num_experts,)) * 0.05)
     r = moe_router.route(jnp.asarray(x), jnp.asarray(kernel), jnp.asarray(bias), cfg)
     e_ref, w_ref, l_ref = ref_route(x, kernel, bias, cfg)
@@ -168,9 +169,9 @@ def test_unnormalised_sigmoid_weights_are_the_scaled_scores():
 def test_output_matches_numpy_loop(path, renorm):
     cfg = tiny(sparse_matmul=path != "dense", capacity_factor=-1.0, sigmoid_renormalize=renorm,
                **({"base_moe_mlp_dim": 128} if path == "megablox" else {}))
-    m = MoE(cfg, rngs=nnx.Rngs(0), gmm=None if path == "dense" else path)
+    m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0), gmm=None if path == "dense" else path)
     randomize_bias(m)
-    x = jax.random.normal(jax.random.key(1), (2, 6, cfg.emb_dim))
+    x = jax.random.normal(jax.random.key(1), (2, 6, cfg.base_emb_dim))
     y, aux = call(m, x)
     ref, experts = ref_moe(m, np.asarray(x).reshape(12, -1))
     np.testing.assert_allclose(np.asarray(y).reshape(12, -1), ref, rtol=1e-4, atol=1e-6)
@@ -181,9 +182,9 @@ def test_output_matches_numpy_loop(path, renorm):
 @pytest.mark.parametrize("renorm", [True, False])
 def test_decode_sized_input_gathers_experts_and_matches_numpy_loop(monkeypatch, renorm):
     cfg = tiny(sigmoid_renormalize=renorm)
-    m = MoE(cfg, rngs=nnx.Rngs(0), gmm="tiled")
+    m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0), gmm="tiled")
     randomize_bias(m)
-    x = jax.random.normal(jax.random.key(2), (2, 2, cfg.emb_dim))  # T*K = 16 = E assignments: gathered
+    x = jax.random.normal(jax.random.key(2), (2, 2, cfg.base_emb_dim))  # T*K = 16 = E assignments: gathered
     monkeypatch.setattr(moe_experts, "grouped_ffn", lambda *a: (_ for _ in ()).throw(AssertionError("grouped")))
     y, _ = nnx.jit(lambda m, x: m(x))(m, x)
     ref, _ = ref_moe(m, np.asarray(x).reshape(4, -1))
@@ -192,10 +193,10 @@ def test_decode_sized_input_gathers_experts_and_matches_numpy_loop(monkeypatch, 
 
 def test_ragged_equals_dense_at_high_capacity():
     cfg = tiny()
-    x = jax.random.normal(jax.random.key(4), (2, 8, cfg.emb_dim))
+    x = jax.random.normal(jax.random.key(4), (2, 8, cfg.base_emb_dim))
     ys = []
     for sparse, cf in [(True, -1.0), (False, float(cfg.num_experts))]:
-        m = MoE(cfg.model_copy(update=dict(sparse_matmul=sparse, capacity_factor=cf)), rngs=nnx.Rngs(0))
+        m = MoE(MoESpec.of(cfg.model_copy(update=dict(sparse_matmul=sparse, capacity_factor=cf))), rngs=nnx.Rngs(0))
         ys.append(np.asarray(call(m, x)[0]))
     np.testing.assert_allclose(ys[0], ys[1], rtol=1e-5, atol=1e-6)
 
@@ -218,8 +219,8 @@ def test_dense_path_drops_expected_tokens():
     S = 16
     cap = moe_experts.capacity(S, cfg.num_experts_per_tok, cfg.num_experts, 0.5)
     assert cap == math.ceil(S * 4 / 16 * 0.5) == 2
-    m = MoE(cfg, rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(5), (1, S, cfg.emb_dim))
+    m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(5), (1, S, cfg.base_emb_dim))
     y, aux = call(m, x)
     experts = ref_moe(m, np.asarray(x)[0])[1]
     kept = ref_kept(experts, cfg.num_experts, cap)
@@ -232,8 +233,8 @@ def test_dense_path_drops_expected_tokens():
 
 def test_fp32_router_under_bf16_compute():
     cfg = tiny(dtype="bfloat16")
-    m = MoE(cfg, rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(6), (1, 8, cfg.emb_dim)).astype(jnp.bfloat16)
+    m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(6), (1, 8, cfg.base_emb_dim)).astype(jnp.bfloat16)
     r = m.gate(x.reshape(8, -1))
     assert r.logits_TE.dtype == jnp.float32 and r.weights_TK.dtype == jnp.float32
     ref = np.asarray(x, np.float64).reshape(8, -1) @ np.asarray(m.gate.kernel[...], np.float64)
@@ -244,7 +245,7 @@ def test_fp32_router_under_bf16_compute():
 
 @pytest.mark.parametrize("dim,n,width", [(0, 1, 64), (128, 1, 128), (128, 2, 256), (128, 0, 0)])
 def test_shared_expert_width_and_fallback(dim, n, width):
-    m = MoE(tiny(moe_shared_expert_dim=dim, shared_experts=n), rngs=nnx.Rngs(0))
+    m = MoE(MoESpec.of(tiny(moe_shared_expert_dim=dim, shared_experts=n)), rngs=nnx.Rngs(0))
     if width == 0:
         assert m.shared_experts is None
     else:
@@ -254,7 +255,7 @@ def test_shared_expert_width_and_fallback(dim, n, width):
 
 def test_params_have_known_logical_axes_and_bias_is_not_a_param():
     cfg = tiny()
-    m = MoE(cfg, rngs=nnx.Rngs(0))
+    m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0))
     rules = {name for name, _ in cfg.logical_axis_rules}
     params = nnx.state(m, nnx.Param)
     for path, v in nnx.to_flat_state(params):
@@ -269,8 +270,8 @@ def test_params_have_known_logical_axes_and_bias_is_not_a_param():
 
 def test_gradients_flow_and_bias_gets_none():
     cfg = tiny(load_balance_loss_weight=0.01, moe_z_loss_weight=0.001)
-    m = MoE(cfg, rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(7), (1, 8, cfg.emb_dim))
+    m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(7), (1, 8, cfg.base_emb_dim))
 
     def loss(m):
         y, aux = call(m, x)
@@ -287,8 +288,8 @@ def test_gradients_flow_and_bias_gets_none():
 
 def test_valid_mask_excludes_padding_from_counts_and_stats():
     cfg = tiny()
-    m = MoE(cfg, rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(8), (1, 8, cfg.emb_dim))
+    m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(8), (1, 8, cfg.base_emb_dim))
     valid = jnp.arange(8)[None] < 5
     _, aux = call(m, x, valid)
     _, aux5 = call(m, x[:, :5])
@@ -302,8 +303,8 @@ def test_valid_mask_excludes_padding_from_counts_and_stats():
 
 def test_z_loss_formula_and_skipped_at_zero_weight():
     cfg = tiny(moe_z_loss_weight=0.1)
-    m = MoE(cfg, rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(9), (1, 6, cfg.emb_dim))
+    m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(9), (1, 6, cfg.base_emb_dim))
     _, aux = call(m, x)
     logits = np.asarray(x, np.float64)[0] @ np.asarray(m.gate.kernel[...], np.float64)
     lse = np.log(np.exp(logits).sum(-1))
@@ -312,7 +313,7 @@ def test_z_loss_formula_and_skipped_at_zero_weight():
     # hand case: logits [0, 0] -> lse = log 2; [log 3, 0] -> lse = log 4
     np.testing.assert_allclose(moe_router.z_loss_sum(jnp.array([[0.0, 0.0], [math.log(3), 0.0]])),
                                math.log(2) ** 2 + math.log(4) ** 2, rtol=1e-6)
-    _, aux0 = call(MoE(tiny(moe_z_loss_weight=0.0), rngs=nnx.Rngs(0)), x)
+    _, aux0 = call(MoE(MoESpec.of(tiny(moe_z_loss_weight=0.0)), rngs=nnx.Rngs(0)), x)
     assert float(aux0.z_loss) == 0 and "lse_sq_sum" not in aux0.stats and "z_loss" not in aux0.metrics(4)
 
 
@@ -328,7 +329,7 @@ def test_load_balance_loss():
     np.testing.assert_allclose(moe_router.load_balance_loss(jnp.asarray(scores), jnp.asarray(counts)), want,
                                rtol=1e-6)
     cfg = tiny(load_balance_loss_weight=0.5)
-    _, aux = call(MoE(cfg, rngs=nnx.Rngs(0)), jax.random.normal(jax.random.key(1), (1, 4, cfg.emb_dim)))
+    _, aux = call(MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0)), jax.random.normal(jax.random.key(1), (1, 4, cfg.base_emb_dim)))
     assert 0 < float(aux.lb_loss) and float(aux.z_loss) == 0
 
 
@@ -347,9 +348,9 @@ def test_bias_update_and_zero_mean():
 
 def test_counts_and_stats_sum_over_micro_batches():
     cfg = tiny(moe_z_loss_weight=0.01)
-    m = MoE(cfg, rngs=nnx.Rngs(0))
+    m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0))
     randomize_bias(m)
-    x = jax.random.normal(jax.random.key(10), (2, 8, cfg.emb_dim))
+    x = jax.random.normal(jax.random.key(10), (2, 8, cfg.base_emb_dim))
     _, a1 = call(m, x[:1])
     _, a2 = call(m, x[1:])
     _, full = call(m, x)
@@ -376,7 +377,7 @@ def test_router_metrics_hand_case():
 
 def test_bad_gmm_name_is_an_error():
     with pytest.raises(ValueError, match="gmm"):
-        call(MoE(tiny(), rngs=nnx.Rngs(0), gmm="nope"), jnp.zeros((1, 2, 128)))
+        call(MoE(MoESpec.of(tiny()), rngs=nnx.Rngs(0), gmm="nope"), jnp.zeros((1, 2, 128)))
 
 
 def test_megablox_needs_dims_sharing_a_multiple_of_128():
@@ -430,7 +431,7 @@ def test_layer_grads_dropless_equal_dense_path():
     ct = jax.random.normal(jax.random.key(13), x.shape)
     grads = []
     for sparse in (True, False):
-        m = MoE(tiny(sparse_matmul=sparse, capacity_factor=-1.0), rngs=nnx.Rngs(0), gmm="tiled")
+        m = MoE(MoESpec.of(tiny(sparse_matmul=sparse, capacity_factor=-1.0)), rngs=nnx.Rngs(0), gmm="tiled")
         g = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x)[0] * ct), argnums=(0, 1)))(m, x)
         grads.append(g)
     np.testing.assert_allclose(grads[0][1], grads[1][1], rtol=1e-4, atol=1e-6)

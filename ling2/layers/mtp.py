@@ -125,7 +125,7 @@ class MTP(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         if cfg.mtp_num_layers < 1:
             raise ValueError("mtp_num_layers: MTP needs >= 1 layer (Ling2Model builds none for 0)")
-        self.first_layer_idx = cfg.num_decoder_layers
+        self.first_layer_idx = cfg.base_num_decoder_layers
         specs = LayerSpecs.of(cfg)
         self.depths = nnx.List([MTPDepth(specs, layer, rngs=rngs) for layer in layer_plan(cfg).mtp])
         self.pre_norm = cfg.mtp_hidden_pre_norm

@@ -50,7 +50,7 @@ def scan_layout(cfg) -> tuple[int, int, int]:
     then num_groups groups of group_size, then the rest unscanned.
 
     Raises ValueError when the scanned groups would not all have one layer pattern."""
-    L, k = cfg.num_decoder_layers, cfg.inhomogeneous_layer_cycle_interval
+    L, k = cfg.base_num_decoder_layers, cfg.inhomogeneous_layer_cycle_interval
     full_end = (L // k) * k
     prefix_end = min(-(-cfg.first_num_dense_layers // k) * k, full_end)
     n = max(full_end - prefix_end, 0) // k
@@ -66,7 +66,7 @@ def scan_layout(cfg) -> tuple[int, int, int]:
 
 def layer_plan(cfg) -> LayerPlan:
     """The plan of `cfg` (see the module doc)."""
-    L = cfg.num_decoder_layers
+    L = cfg.base_num_decoder_layers
     kinds = list(zip(cfg.layer_types, cfg.mlp_types))
     if cfg.scan_layers:
         p, n, k = scan_layout(cfg)

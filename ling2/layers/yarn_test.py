@@ -26,8 +26,8 @@ def test_yarn_matches_transformers(mscale, mscale_all_dim):
     cfg = load_config(model_name="ling2", rope_type="yarn", rope_factor=32.0, mscale=mscale,
                       mscale_all_dim=mscale_all_dim, original_max_position_embeddings=4096,
                       max_position_embeddings=131072)
-    hf = PretrainedConfig(rope_theta=cfg.rope_max_timescale, head_dim=cfg.head_dim, hidden_size=cfg.emb_dim,
-                          num_attention_heads=cfg.num_query_heads, partial_rotary_factor=cfg.partial_rotary_factor,
+    hf = PretrainedConfig(rope_theta=cfg.rope_max_timescale, head_dim=cfg.head_dim, hidden_size=cfg.base_emb_dim,
+                          num_attention_heads=cfg.base_num_query_heads, partial_rotary_factor=cfg.partial_rotary_factor,
                           max_position_embeddings=cfg.max_position_embeddings,
                           rope_scaling={"rope_type": "yarn", "factor": cfg.rope_factor, "mscale": mscale,
                                         "mscale_all_dim": mscale_all_dim, "beta_fast": cfg.beta_fast,

@@ -55,12 +55,12 @@ def cache_bytes(cfg) -> dict:
     mla = sum(s.attn == "mla" for s in plan.all())
     gla = sum(s.attn == "gla" for s in plan.all())
     latent = mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
-    full = mla * cfg.num_query_heads * (cfg.qk_head_dim + cfg.v_head_dim) * item
-    all_mla_full = (mla + gla) * cfg.num_query_heads * (cfg.qk_head_dim + cfg.v_head_dim) * item
+    full = mla * cfg.base_num_query_heads * (cfg.qk_head_dim + cfg.v_head_dim) * item
+    all_mla_full = (mla + gla) * cfg.base_num_query_heads * (cfg.qk_head_dim + cfg.v_head_dim) * item
     return {"model": cfg.model_name, "mla_layers": mla, "gla_layers": gla, "dtype": cfg.dtype,
             "latent_bytes_per_token": latent, "per_head_kv_bytes_per_token": full,
             "ratio": full / latent, "all_layers_per_head_kv_bytes_per_token": all_mla_full,
-            "gla_state_bytes_per_sequence": gla * cfg.num_query_heads * cfg.head_dim ** 2 * 4}
+            "gla_state_bytes_per_sequence": gla * cfg.base_num_query_heads * cfg.head_dim ** 2 * 4}
 
 
 def bench_small(args, log) -> dict:

@@ -26,6 +26,7 @@ from flax import nnx
 from ling2.config import load_config
 from ling2.layers.moe import MoE
 from ling2.layers.moe_experts import Mlp
+from ling2.config.specs import MoESpec, WeightsSpec
 from tools.bench.report import host_facts, planned_bytes, results_path, time_round_robin
 
 
@@ -40,9 +41,9 @@ class DenseRef(nnx.Module):
     """Dense SwiGLU of the same useful width as the MoE (K*F + Fs) plus a router-sized matmul."""
 
     def __init__(self, cfg, *, rngs):
-        self.mlp = Mlp(cfg, cfg.num_experts_per_tok * cfg.base_moe_mlp_dim + cfg.shared_experts * cfg.shared_expert_dim,
+        self.mlp = Mlp(WeightsSpec.of(cfg), cfg.num_experts_per_tok * cfg.base_moe_mlp_dim + cfg.shared_experts * cfg.shared_expert_dim,
                        rngs=rngs)
-        self.router = nnx.Param(jax.random.normal(rngs.params(), (cfg.emb_dim, cfg.num_experts)) * cfg.init_std)
+        self.router = nnx.Param(jax.random.normal(rngs.params(), (cfg.base_emb_dim, cfg.num_experts)) * cfg.init_std)
 
     def __call__(self, x):
         logits = jnp.dot(x.astype(jnp.float32), self.router[...], precision=jax.lax.Precision.HIGHEST)
@@ -129,7 +130,7 @@ def main():
     on_cpu = jax.default_backend() == "cpu"
     over = {"dtype": a.dtype} if a.dtype else ({"dtype": "float32"} if on_cpu else {})
     cfg = load_config(model_name="ling2-small", **over)
-    D, E, K, F = cfg.emb_dim, cfg.num_experts, cfg.num_experts_per_tok, cfg.base_moe_mlp_dim
+    D, E, K, F = cfg.base_emb_dim, cfg.num_experts, cfg.num_experts_per_tok, cfg.base_moe_mlp_dim
     Fs = cfg.shared_experts * cfg.shared_expert_dim
     T = a.batch * a.seq
     flops = 3 * T * (2 * D * E + 6 * D * F * K + 6 * D * Fs)
@@ -138,11 +139,11 @@ def main():
     ct = jax.random.normal(jax.random.key(1), (a.batch, a.seq, D))
 
     cases = [("dense_matmul", lambda: DenseRef(cfg, rngs=nnx.Rngs(0))),
-             ("moe_dropless", lambda: MoE(cfg, rngs=nnx.Rngs(0))),
-             ("moe_dense_capacity", lambda: MoE(cfg.model_copy(update=dict(
-                 sparse_matmul=False, capacity_factor=a.capacity_factor)), rngs=nnx.Rngs(0)))]
+             ("moe_dropless", lambda: MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0))),
+             ("moe_dense_capacity", lambda: MoE(MoESpec.of(cfg.model_copy(update=dict(
+                 sparse_matmul=False, capacity_factor=a.capacity_factor))), rngs=nnx.Rngs(0)))]
     if a.ragged_dot or not on_cpu:
-        cases.append(("moe_ragged_dot", lambda: MoE(cfg, rngs=nnx.Rngs(0), gmm="ragged_dot")))
+        cases.append(("moe_ragged_dot", lambda: MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0), gmm="ragged_dot")))
     compiled = [compile_case(build(), x, ct) for _, build in cases]
     secs = time_round_robin([fn for fn, _ in compiled], a.repeats)
     rows = []
