@@ -7,6 +7,7 @@ from typing import Literal
 ModelName = Literal["default", "ling2", "ling2-tiny", "ling2-small", "ling2-micro", "ling3", "ling3-tiny", "ling3-small"]
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
+Profiler = Literal["", "xplane"]
 DTypeOrDefault = Literal["", "float32", "bfloat16", "float16", "float64"]
 ScoreFunc = Literal["sigmoid", "softmax"]
 RopeType = Literal["default", "yarn"]

@@ -249,6 +249,13 @@ class Checkpointing(_Group):
 class Logging(_Group):
     log_period: PositiveInt = _f("Log metrics every this many steps.")
     log_router_stats: bool = _f("Add per-layer router statistics (load, violation) to the metrics.")
+    profiler: T.Profiler = _f(
+        "'' (off) or 'xplane': a JAX trace of profile_steps train steps from profile_start_step, in "
+        "run_dir/profile (TensorBoard's profile plugin or xprof); each step is annotated 'train' with its number.")
+    profile_start_step: NonNegativeInt = _f(
+        "profiler: trace from the step after this many (the first step of a run compiles; a resumed run past it "
+        "traces nothing).")
+    profile_steps: PositiveInt = _f("profiler: train steps traced.")
 
 
 GROUPS = (Model, Rope, LinearAttention, Mla, MoE, DeepSeekMoE, Mtp, Data, Tokenizer, Optimizer, Training, Mesh,

@@ -29,6 +29,7 @@ from ling2.layers.sharding import use_mesh
 from ling2.train import step as step_lib
 from ling2.train.eval import Evaluator
 from ling2.train.metrics import MetricsWriter, progress_line
+from ling2.train.profile import StepProfiler
 from ling2.train.runtime import batch_sharding, make_mesh, peak_flops_per_device, to_global
 from ling2.train.state import TrainSetup, TrainState, abstract_state, fields, init_state, load_parameters
 
@@ -225,6 +226,7 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
     unchecked = None  # (step, metrics) of the newest step whose finite flag is not read yet
     t_window, wait_window, steps_window, tokens_per_step = time.perf_counter(), 0.0, 0, None
     t_start = time.perf_counter()
+    profiler = StepProfiler(cfg, run_dir, log)
 
     def close():
         writer.close()
@@ -259,8 +261,10 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
             wait_window += time.perf_counter() - t0
             if tokens_per_step is None:
                 tokens_per_step = batch["inputs"].size
-            state, metrics = step_fn(state, batch)
+            with profiler.step(step):
+                state, metrics = step_fn(state, batch)
             step += 1
+            profiler.after(step, state)
             steps_window += 1
             if unchecked is not None:
                 check(*unchecked)
@@ -292,6 +296,7 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
                 ckpt.save(step, fields(state), train_iter, {"step": step, **meta})
         if unchecked is not None:
             check(*unchecked)
+        profiler.after(step, state, last=True)
     if ckpt is not None:
         if skips == 0:
             ckpt.save(step, fields(state), train_iter, {"step": step, **meta}, force=True)
