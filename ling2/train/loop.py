@@ -29,6 +29,7 @@ from ling2.layers.sharding import use_mesh
 from ling2.train import step as step_lib
 from ling2.train.eval import Evaluator
 from ling2.train.metrics import MetricsWriter, progress_line
+from ling2.train import goodput as goodput_lib
 from ling2.train.profile import StepProfiler
 from ling2.train.runtime import batch_sharding, make_mesh, peak_flops_per_device, to_global
 from ling2.train.state import TrainSetup, TrainState, abstract_state, fields, init_state, load_parameters
@@ -207,8 +208,13 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
         f"mesh {dict(mesh.shape)}")
     step_fn = step_lib.jit_train_step(setup.graphdef, setup.tx, cfg, setup.schedule)
     start = resume or 0
+    gp = goodput_lib.Goodput()
     if resume is not None:
+        lost_s, gp.lost_steps = goodput_lib.lost_work(run_dir / "metrics.jsonl", resume)
+        gp.add("lost", lost_s)
+        t0 = time.perf_counter()
         restored, _ = ckpt.restore(resume, fields(setup.state), train_iter)
+        gp.add("restore", time.perf_counter() - t0)
         state = TrainState(**restored)
         log(f"resumed from {ckpt.step_dir(resume)} (step {resume})")
     else:
@@ -258,11 +264,17 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
                 break
             t0 = time.perf_counter()
             batch = to_global(next(train_iter), cfg, mesh)
-            wait_window += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            wait_window += t1 - t0
+            gp.add("data_wait", t1 - t0)
             if tokens_per_step is None:
                 tokens_per_step = batch["inputs"].size
             with profiler.step(step):
                 state, metrics = step_fn(state, batch)
+            if step == start:  # tracing and compiling happen in the first call
+                jax.block_until_ready(metrics)
+                gp.add("compile", time.perf_counter() - t1)
+                t1 = time.perf_counter()
             step += 1
             profiler.after(step, state)
             steps_window += 1
@@ -273,6 +285,7 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
             logging = step % cfg.log_period == 0 or step == cfg.steps or evaluating
             saving = ckpt is not None and ckpt.due(step)
             if not (logging or saving):
+                gp.add("step", time.perf_counter() - t1)
                 continue
             check(*unchecked)
             unchecked = None
@@ -285,24 +298,36 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
                          step_time_s=dt / steps_window, skipped_total=int(state.skipped_total))  # host sync
                 if cfg.log_router_stats:
                     m["router"] = moe_metrics(moe, cfg.num_experts_per_tok)
+                gp.add("step", time.perf_counter() - t1)
                 if evaluating:
+                    t2 = time.perf_counter()
                     m["eval_loss"] = evaluator.evaluate(state)  # host sync
+                    gp.add("eval", time.perf_counter() - t2)
+                t1 = time.perf_counter()
                 losses[step] = float(m["loss"])
-                writer.write(step, m)
+                writer.write(step, {**m, **gp.take()})
                 eta = (cfg.steps - step) * dt / steps_window
                 log(progress_line(step, cfg.steps, m, eta))
                 t_window, wait_window, steps_window = time.perf_counter(), 0.0, 0
+            else:
+                gp.add("step", time.perf_counter() - t1)
             if saving and skips == 0:  # after logging: saved steps have metrics; never after a skipped step
+                t2 = time.perf_counter()
                 ckpt.save(step, fields(state), train_iter, {"step": step, **meta})
+                gp.add("checkpoint", time.perf_counter() - t2)
         if unchecked is not None:
             check(*unchecked)
         profiler.after(step, state, last=True)
     if ckpt is not None:
+        t2 = time.perf_counter()
         if skips == 0:
             ckpt.save(step, fields(state), train_iter, {"step": step, **meta}, force=True)
         else:
             log(f"step {step} followed {skips} skipped steps: not checkpointed")
     close()
+    if ckpt is not None:
+        gp.add("checkpoint", time.perf_counter() - t2)
     log(f"done: {step} steps in {time.perf_counter() - t_start:.1f}s")
+    log(goodput_lib.summary_line(goodput_lib.summary([{f"goodput/{k}_s": v for k, v in gp.total.items()}])))
     return RunResult(losses, step, run_dir, run_dir / "checkpoints", run_dir / "metrics.jsonl",
                      int(state.skipped_total), stopped)

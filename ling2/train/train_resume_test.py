@@ -2,8 +2,10 @@
 SIGTERM saves and exits 0."""
 
 import json
+import re
 import signal
 
+from ling2.train.metrics import read_metrics
 from ling2.train.testing import e2e
 
 
@@ -32,6 +34,12 @@ def test_kill9_then_resume_reproduces_uninterrupted_losses(tmp_path):
     assert got == want  # bit-identical per-step losses
     raw = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert raw == list(range(1, 41))  # the killed run's records past its checkpoint were dropped, not repeated
+    # goodput: the steps the killed run had logged past the restored checkpoint are charged as lost work
+    restored = int(re.search(r"resumed from .* \(step (\d+)\)", out).group(1))
+    first = read_metrics(run / "metrics.jsonl")[restored]  # the resumed run's first record
+    assert first.get("goodput/lost_steps", 0) == killed_at - restored
+    assert (first["goodput/lost_s"] > 0) == (killed_at > restored)
+    assert "goodput: " in out
 
 
 def test_sigterm_saves_and_exits_zero(tmp_path):

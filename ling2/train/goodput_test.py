@@ -1,0 +1,70 @@
+"""Goodput records: every logged record says where its window's time went; a resumed run charges the
+dropped records of the run it continues as lost work; totals read back across the restart.
+
+References: the metrics.jsonl lines themselves (the lost work is the sum of the dropped records' seconds,
+added up here from the file before the resume), and the wall time measured around the run."""
+
+import json
+import shutil
+import time
+
+import jax
+import pytest
+
+from ling2.config import load_config
+from ling2.train import goodput, loop
+from ling2.train.data import make_iterator_factory
+from ling2.train.metrics import read_metrics
+from ling2.train.testing import e2e
+from ling2.train.train import find_file
+
+KEYS = [f"goodput/{k}_s" for k in goodput.KINDS]
+
+
+def _run(run_dir, **over):
+    cfg = load_config(*e2e.MICRO, "async_checkpointing=false", config_file=find_file("configs/train/tiny_sample.yml"),
+                      **{"steps": 6, "checkpoint_period": 2, "eval_interval": 3, "eval_steps": 1, **over})
+    logs = []
+    t0 = time.perf_counter()
+    loop.run(cfg, run_dir, make_iterator_factory(find_file), log=logs.append, devices=jax.devices()[:1],
+             tensorboard=False)
+    return logs, time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    logs, wall = _run(d)
+    return d, logs, wall
+
+
+def test_each_record_accounts_its_window(finished):
+    d, logs, wall = finished
+    recs = read_metrics(d / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(1, 7))
+    for r in recs:
+        assert all(r[k] >= 0 for k in KEYS), r
+    assert recs[0]["goodput/compile_s"] > 0 and all(r["goodput/compile_s"] == 0 for r in recs[1:])
+    assert [r["step"] for r in recs if r["goodput/eval_s"] > 0] == [3, 6]
+    assert [r["step"] for r in recs if r["goodput/checkpoint_s"] > 0] == [3, 5]  # saves after steps 2 and 4
+    assert all(r["goodput/step_s"] > 0 for r in recs[1:])
+    s = goodput.summary(recs)
+    assert 0 < s["total"] <= wall and 0 < s["goodput"] < 1 and s["lost"] == 0
+    assert any(line.startswith("goodput: ") for line in logs)
+
+
+def test_resume_charges_the_dropped_records_as_lost(finished, tmp_path):
+    """A run cut short after its checkpoint at step 4 had logged steps 5 and 6: the resumed run replays them."""
+    d = tmp_path / "cut"
+    shutil.copytree(finished[0], d)
+    shutil.rmtree(d / "checkpoints" / "6")
+    before = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    want_lost = sum(r[k] for r in before if r["step"] > 4 for k in KEYS)
+    logs, _ = _run(d)
+    assert any("resumed from" in line and "(step 4)" in line for line in logs)
+    recs = read_metrics(d / "metrics.jsonl")
+    first = next(r for r in recs if r["step"] == 5)
+    assert first["goodput/lost_steps"] == 2 and first["goodput/lost_s"] == pytest.approx(want_lost, rel=1e-9)
+    assert first["goodput/restore_s"] > 0 and first["goodput/compile_s"] > 0
+    s = goodput.summary(recs)
+    assert s["lost_steps"] == 2 and s["lost"] == pytest.approx(want_lost, rel=1e-9)

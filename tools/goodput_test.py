@@ -1,0 +1,42 @@
+"""tools/goodput: totals over a run's records (hand-made here, with a resumed run's later records), the
+table, and a named error for a directory without metrics."""
+
+import json
+
+from absl import flags
+
+from tools import goodput
+
+KINDS = ("compile", "step", "data_wait", "checkpoint", "restore", "eval", "lost")
+
+
+def _rec(n, **s):
+    return {"step": n, "loss": 1.0, **{f"goodput/{k}_s": float(s.get(k, 0.0)) for k in KINDS},
+            **({"goodput/lost_steps": float(s["lost_steps"])} if "lost_steps" in s else {})}
+
+
+def _main(capsys, *argv):
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["goodput", *argv])
+    rc = goodput.main(["goodput"])
+    return rc, capsys.readouterr()
+
+
+def test_totals_across_a_restart(tmp_path, capsys):
+    rows = [_rec(1, compile=10, step=1), _rec(2, step=2, data_wait=0.5), _rec(3, step=2, checkpoint=1),
+            # the resumed run (from step 2) rewrites step 3: the cut-short run's record of step 3 is gone
+            _rec(3, compile=8, restore=2, lost=3, lost_steps=1, step=2), _rec(4, step=2, eval=1.5)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc, out = _main(capsys, f"--run_dir={tmp_path}", "--json")
+    assert rc == 0, out.err
+    s = json.loads(out.out)
+    # steps 1, 2, resumed 3, 4: 11 + 2.5 + 15 + 3.5 = 32 s; train steps 1 + 2 + 2 + 2 = 7 s
+    assert s["total"] == 32.0 and s["step"] == 7.0 and s["compile"] == 18.0 and s["lost"] == 3.0
+    assert s["lost_steps"] == 1 and s["goodput"] == 7.0 / 32.0
+    rc, out = _main(capsys, f"--run_dir={tmp_path}")
+    assert rc == 0 and "goodput" in out.out and "21.9 %" in out.out
+
+
+def test_missing_metrics_is_named(tmp_path, capsys):
+    rc, out = _main(capsys, f"--run_dir={tmp_path}")
+    assert rc == 2 and f"{tmp_path}/metrics.jsonl" in out.err
