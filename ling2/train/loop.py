@@ -30,7 +30,7 @@ from ling2.train import step as step_lib
 from ling2.train.eval import Evaluator
 from ling2.train.metrics import MetricsWriter, progress_line
 from ling2.train import goodput as goodput_lib
-from ling2.train.profile import StepProfiler
+from ling2.train.profiler import StepProfiler
 from ling2.train.runtime import batch_sharding, make_mesh, peak_flops_per_device, to_global
 from ling2.train.state import TrainSetup, TrainState, abstract_state, fields, init_state, load_parameters
 
