@@ -8,8 +8,9 @@ modules are looked up by kind in `ling2.layers.attention.ATTENTION`. Calling the
 The layers sit in a `LayerStack` (`ling2.layers.stack`): with `scan_layers`, the plan's scanned
 groups keep their parameters stacked on a leading "layers" axis and run under one `lax.scan`,
 the rest one by one, all through one call path that gives each layer its global index. Layers
-are built in index order in both modes, so one seed gives the same weights scanned or not. `remat_policy`: none, full (recompute all), save_dot (keep the outputs of weight
-matmuls, recompute the rest).
+are built in index order in both modes, so one seed gives the same weights scanned or not.
+`remat_policy`: none, full (recompute all), save_dot (keep the outputs of weight matmuls,
+recompute the rest).
 """
 
 from typing import NamedTuple, Optional
@@ -41,7 +42,7 @@ class DecoderOutput(NamedTuple):
 
 
 class LayerSpecs(NamedTuple):
-    """What a decoder layer's modules take (`ling2.config.specs`), derived once per model."""
+    """What a decoder layer's modules take (`ling2.config.specs`), derived once per stack (the decoder's, MTP's)."""
     weights: WeightsSpec
     attention: dict  # attention kind -> its spec
     moe: MoESpec
@@ -129,8 +130,9 @@ class Ling2Decoder(LayerStack):
         specs, embed = LayerSpecs.of(cfg), EmbedSpec.of(cfg)
         self.embed = Embed(embed, rngs=rngs)
         self.init_layers(plan, [DecoderLayer(specs, layer, rngs=rngs) for layer in plan.layers])
-        self.final_norm = norms.RMSNorm(cfg.base_emb_dim, eps=cfg.normalization_layer_epsilon,
-                                        param_dtype=jnp.dtype(cfg.weight_dtype))
+        w = specs.weights
+        self.final_norm = norms.RMSNorm(w.emb_dim, eps=w.normalization_layer_epsilon,
+                                        param_dtype=jnp.dtype(w.weight_dtype))
         self.tied = cfg.logits_via_embedding
         self.logits_dtype = "float32" if cfg.float32_logits else cfg.dtype
         self.lm_head = None if self.tied else LMHead(embed, rngs=rngs)

@@ -34,6 +34,10 @@ class Goodput:
         self.window[kind] += seconds
         self.total[kind] += seconds
 
+    def summary(self) -> dict:
+        """This process's totals, as `summary` gives a run's."""
+        return summary([{f"goodput/{k}_s": v for k, v in self.total.items()}])
+
     def take(self) -> dict:
         """The window's record fields; starts a new window."""
         out = {f"goodput/{k}_s": v for k, v in self.window.items()}

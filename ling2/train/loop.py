@@ -328,6 +328,6 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
     if ckpt is not None:
         gp.add("checkpoint", time.perf_counter() - t2)
     log(f"done: {step} steps in {time.perf_counter() - t_start:.1f}s")
-    log(goodput_lib.summary_line(goodput_lib.summary([{f"goodput/{k}_s": v for k, v in gp.total.items()}])))
+    log(goodput_lib.summary_line(gp.summary()))
     return RunResult(losses, step, run_dir, run_dir / "checkpoints", run_dir / "metrics.jsonl",
                      int(state.skipped_total), stopped)

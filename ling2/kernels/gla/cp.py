@@ -22,6 +22,7 @@ id on both sides of an edge; a different id at a shard's first token starts a ne
 import jax
 import jax.numpy as jnp
 
+from ling2.kernels.cp import entering_state
 from ling2.kernels.gla.op import simple_gla
 
 
@@ -34,15 +35,9 @@ def shard_summary(g_BTH, seg_BT):
 
 
 def incoming_state(end_NBHKV, log_a_NBH, first_NB, last_NB, shard):
-    """The state entering shard `shard` (traced) from every shard's summary: S_j = a_j S_{j-1} + E_j folded
-    over the shards before it, dropped where `shard` starts a new document."""
-    S, entering = jnp.zeros_like(end_NBHKV[0]), []
-    for j in range(end_NBHKV.shape[0]):
-        if j:
-            S = jnp.where((first_NB[j] == last_NB[j - 1])[:, None, None, None], S, 0.0)
-        entering.append(S)
-        S = jnp.exp(log_a_NBH[j])[..., None, None] * S + end_NBHKV[j]
-    return jnp.stack(entering)[shard]
+    """The state entering shard `shard` (traced): S_j = a_j S_{j-1} + E_j over the shards before it."""
+    return entering_state(lambda j, S: jnp.exp(log_a_NBH[j])[..., None, None] * S, end_NBHKV, first_NB, last_NB,
+                          shard)
 
 
 def simple_gla_cp(q, k, v, g, *, axis_name: str, segment_ids=None, scale=None, chunk_size=64, backend="auto",

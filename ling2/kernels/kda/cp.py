@@ -19,19 +19,14 @@ Segment ids are global values: a document spanning shards keeps its id on both s
 import jax
 import jax.numpy as jnp
 
+from ling2.kernels.cp import entering_state
 from ling2.kernels.kda.op import kda
 
 
 def incoming_state(A_NBHKK, E_NBHKV, first_NB, last_NB, shard):
-    """The state entering shard `shard` (traced): S_j = A_j S_{j-1} + E_j folded over the shards before it,
-    dropped where a shard starts a new document."""
-    S, entering = jnp.zeros_like(E_NBHKV[0]), []
-    for j in range(E_NBHKV.shape[0]):
-        if j:
-            S = jnp.where((first_NB[j] == last_NB[j - 1])[:, None, None, None], S, 0.0)
-        entering.append(S)
-        S = jnp.einsum("bhij,bhjv->bhiv", A_NBHKK[j], S, precision="highest") + E_NBHKV[j]
-    return jnp.stack(entering)[shard]
+    """The state entering shard `shard` (traced): S_j = A_j S_{j-1} + E_j over the shards before it."""
+    advance = lambda j, S: jnp.einsum("bhij,bhjv->bhiv", A_NBHKK[j], S, precision="highest")  # noqa: E731
+    return entering_state(advance, E_NBHKV, first_NB, last_NB, shard)
 
 
 def kda_cp(q, k, v, g, beta, *, axis_name: str, segment_ids=None, scale=None, chunk_size=64, backend="auto",
