@@ -224,3 +224,22 @@ def test_ling3_layer_rule_keeps_a_trailing_partial_group_linear():
     assert real.rotary_dim == real.qk_rope_head_dim == 64 and real.head_dim == 128
     with pytest.raises(ConfigError, match="kda_chunk_size"):
         load_config(model_name="ling3-tiny", kda_chunk_size=48)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(model_name="ling2-micro", max_target_length=32, gla_chunk_size=8, ici_context_parallelism=8),
+     r"ici_context_parallelism: context parallelism 8 needs max_target_length \(32\) to be a multiple of "
+     r"context x gla_chunk_size = 8 x 8"),
+    (dict(model_name="ling3-tiny", max_target_length=256, kda_chunk_size=64, ici_context_parallelism=2,
+          dcn_context_parallelism=4), r"context parallelism 8 needs .* 8 x 64"),
+    (dict(model_name="ling2-micro", max_target_length=512, attention_kernel="flash", ici_context_parallelism=8),
+     r"context parallelism 8 with attention_kernel=flash needs max_target_length \(512\) / context to be a "
+     r"multiple of 128"),
+])
+def test_context_parallelism_must_split_whole_kernel_chunks(overrides, message):
+    """Hand-made: each context shard must hold whole chunks of the linear-attention kernel."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(**overrides)
+    ok = dict(overrides, max_target_length=2 * overrides["max_target_length"])
+    if "dcn_context_parallelism" not in overrides:
+        assert load_config(**ok).ici_context_parallelism == 8

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegative
 from ling2.config import enums as T
 
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 
 # Keys Ling2 no longer reads, each with what to do instead: a config naming one is refused with this line.
@@ -221,12 +221,16 @@ class Mesh(_Group):
     ici_data_parallelism: int = _f("Size of the mesh's data axis (pure data parallelism); -1 fills the remaining devices.")
     ici_fsdp_parallelism: int = _f("Size of the fsdp axis (parameters sharded, batch split); -1 fills.")
     ici_expert_parallelism: int = _f("Size of the expert axis (experts sharded, batch split); -1 fills.")
+    ici_context_parallelism: int = _f(
+        "Size of the context axis: each sequence split into this many contiguous shards (context "
+        "parallelism; the activation_length rule); -1 fills.")
     ici_tensor_parallelism: int = _f("Size of the tensor axis (heads, MLP width, vocab sharded); -1 fills.")
     dcn_data_parallelism: int = _f(
         "Multi-slice: slices along the data axis (over the data-center network); the mesh's data axis is "
         "dcn x ici, slices outermost. The dcn_* sizes multiply to the number of slices; -1 fills.")
     dcn_fsdp_parallelism: int = _f("Multi-slice: slices along the fsdp axis (see dcn_data_parallelism); -1 fills.")
     dcn_expert_parallelism: int = _f("Multi-slice: slices along the expert axis (see dcn_data_parallelism); -1 fills.")
+    dcn_context_parallelism: int = _f("Multi-slice: slices along the context axis (see dcn_data_parallelism); -1 fills.")
     dcn_tensor_parallelism: int = _f("Multi-slice: slices along the tensor axis (see dcn_data_parallelism); -1 fills.")
     logical_axis_rules: list[tuple[str, Optional[list[str]]]] = _f(
         "Logical axis name -> mesh axes (null: replicated), for parameters and activations.")
@@ -328,6 +332,10 @@ class Config(*GROUPS):
         for logical, axes in self.logical_axis_rules:
             for a in axes or ():
                 need(a in MESH_AXES, "logical_axis_rules", f"rule {logical!r} names unknown mesh axis {a!r}")
+        ici, dcn = self.ici_context_parallelism, self.dcn_context_parallelism
+        if ici != -1 and dcn != -1:
+            problem = self.context_problem(ici * dcn)
+            need(problem is None, "ici_context_parallelism", problem)
         self._derive()
         return self
 
@@ -371,6 +379,18 @@ class Config(*GROUPS):
     @property
     def routed_bias_dtype_resolved(self) -> str:
         return self.routed_bias_dtype or self.weight_dtype
+
+    def context_problem(self, context: int) -> Optional[str]:
+        """Why a context axis of `context` shards (ici x dcn) cannot split this run's sequences, or None: each
+        shard must hold whole chunks of the linear-attention kernel."""
+        chunk = self.gla_chunk_size if self.linear_attention_type == "gla" else self.kda_chunk_size
+        if context > 1 and self.max_target_length % (context * chunk):
+            return (f"context parallelism {context} needs max_target_length ({self.max_target_length}) to be a "
+                    f"multiple of context x {self.linear_attention_type}_chunk_size = {context} x {chunk}")
+        if context > 1 and self.attention_kernel == "flash" and (self.max_target_length // context) % 128:
+            return (f"context parallelism {context} with attention_kernel=flash needs max_target_length "
+                    f"({self.max_target_length}) / context to be a multiple of 128 (splash attention's query blocks)")
+        return None
 
     def global_batch_size(self, num_devices: int) -> int:
         """Sequences per optimizer step across all micro-batches."""

@@ -88,6 +88,8 @@ def test_generate_text_prompts_speculative_on_a_hf_checkpoint(ckpts):
     (["--ckpt={tmp}/run", "--prompt_ids=1"], "--max_new_tokens=None"),
     (["--ckpt={tmp}/hf", "--prompt=hello", "--max_new_tokens=2"], "need a tokenizer"),
     (["--ckpt={tmp}/run", "--prompt_ids=1", "--max_new_tokens=2", "--temperature=-1"], "--temperature=-1"),
+    (["--ckpt={tmp}/run", "--prompt_ids=1", "--max_new_tokens=2", "ici_context_parallelism=4"],
+     "ici_context_parallelism=4: context parallelism is for training"),
 ])
 def test_generate_bad_input_exits_2(ckpts, args, message):
     r = run("generate", *[a.format(tmp=ckpts) for a in args])

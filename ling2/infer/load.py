@@ -35,7 +35,21 @@ from ling2.layers.model import Ling2Model
 REPO = Path(os.path.abspath(__file__)).parents[2]  # the runfiles tree under Bazel
 
 # Inference runs every layer unscanned, every MoE dropless (no capacity drops at any batch size).
-INFER_OVERRIDES = {"scan_layers": False, "sparse_matmul": True, "remat_policy": "none"}
+INFER_OVERRIDES = {"scan_layers": False, "sparse_matmul": True, "remat_policy": "none",
+                   "ici_context_parallelism": 1, "dcn_context_parallelism": 1}
+CONTEXT_KEYS = ("ici_context_parallelism", "dcn_context_parallelism")
+
+
+def refuse_context(overrides) -> None:
+    """InferError for an override asking for context parallelism: it splits training sequences over
+    devices; generation and evaluation run the model on one device (a checkpoint trained with a context
+    axis loads with it set to 1)."""
+    for o in overrides:
+        items = o.items() if isinstance(o, dict) else [o.split("=", 1)] if "=" in o else []
+        for key, value in items:
+            if key.strip() in CONTEXT_KEYS and str(value).strip() not in ("1", "-1"):
+                raise InferError(f"{key.strip()}={str(value).strip()}: context parallelism is for training "
+                                 "(//ling2/train:train); generation and evaluation run on one device")
 
 
 class InferError(ValueError):
@@ -140,6 +154,7 @@ def load_model(ckpt, *overrides, progress: bool = False, need_mtp: bool = False)
     A HF checkpoint without the MTP tensors its config.json declares loads with mtp_num_layers=0 (a
     note on stderr says so); with `need_mtp` (the caller drafts with MTP: --speculative_mtp) it is an
     InferError instead, raised before any weight is read."""
+    refuse_context(overrides)
     path = Path(ckpt)
     kind = kind_of(path)
     step_dir = latest_step_dir(path) if kind == "run" else path

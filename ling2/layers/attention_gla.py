@@ -7,7 +7,9 @@
 
 Slopes are ALiBi-style per head, scaled per layer (`layer_slopes`); they are constants,
 not parameters. Under a mesh (`sharding.use_mesh`) the kernel runs inside `shard_map`,
-batch split by the `activation_batch` rule and heads by `activation_heads`.
+batch split by the `activation_batch` rule and heads by `activation_heads`; with the sequence
+split by `activation_length` (a context axis) each device runs its shard through
+`simple_gla_cp`, which passes the state across shard edges.
 """
 
 import math
@@ -111,13 +113,29 @@ class GatedLinearAttention(nnx.Module):
 
     def _kernel(self, q, k, v, g, seg, h0):
         """simple_gla (h0 None: zero state, no state gradient); under a mesh inside shard_map with batch
-        and heads split (g per head [H] or per token [B, T, H])."""
+        and heads split (g per head [H] or per token [B, T, H]). With the sequence split over a context
+        axis, each device runs its shard by `simple_gla_cp` (training only: no initial or final state)."""
+        g_names = ("activation_heads",) if g.ndim == 1 else ("activation_batch", "activation_length",
+                                                                "activation_heads")
+        cp = sharding.context_axes(q.shape[1], "gla")
+        if cp is not None:
+            if h0 is not None:
+                raise ValueError("gla: context parallelism splits training sequences; cached decoding (an initial "
+                                 "state) runs with the context axis of size 1")
+
+            def run_cp(q, k, v, g, seg):
+                return gla.simple_gla_cp(q, k, v, g, axis_name=cp, segment_ids=seg, chunk_size=self.chunk_size,
+                                         backend=self.backend)
+
+            names = (BTHD, BTHD, BTHD, g_names, ("activation_batch", "activation_length"))
+            return sharding.shard_map_by_names(run_cp, names, BTHD, self.rules)(q, k, v, g, seg), None
+
         def run(q, k, v, g, seg, *h0):
             return gla.simple_gla(q, k, v, g, segment_ids=seg, initial_state=h0[0] if h0 else None,
                                   chunk_size=self.chunk_size, backend=self.backend, return_final_state=True)
 
         state = () if h0 is None else (h0,)
-        g_names = ("activation_heads",) if g.ndim == 1 else ("activation_batch", None, "activation_heads")
+        g_names = tuple(None if n == "activation_length" else n for n in g_names)
         names = (BTHD_KERNEL, BTHD_KERNEL, BTHD_KERNEL, g_names, ("activation_batch", None))
         return sharding.shard_map_by_names(run, names + (BHKV,) * len(state), (BTHD_KERNEL, BHKV), self.rules)(
             q, k, v, g, seg, *state)

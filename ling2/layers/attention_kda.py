@@ -11,7 +11,9 @@
 
 x is the normed block input; the gate, beta and the output gate read x, not the conv output.
 There is no RoPE. Decoding keeps the last K-1 pre-conv [q | k | v] rows and the fp32 state
-(one document per row). Under a mesh the kernel runs inside `shard_map` like the GLA layer's.
+(one document per row). Under a mesh the kernel runs inside `shard_map` like the GLA layer's,
+through `kda_cp` when the sequence is split over a context axis; the conv reads across shard
+edges as any op on the split sequence does (XLA moves the previous shard's last K-1 rows).
 """
 
 import math
@@ -146,14 +148,29 @@ class KimiDeltaAttention(nnx.Module):
         return -a * jax.nn.softplus(f)
 
     def _kernel(self, q, k, v, g, beta, seg, h0):
-        """kda (h0 None: zero state); under a mesh inside shard_map with batch and heads split."""
+        """kda (h0 None: zero state); under a mesh inside shard_map with batch and heads split. With the
+        sequence split over a context axis, each device runs its shard by `kda_cp` (training only)."""
+        BHKV = ("activation_batch", "activation_heads", None, None)
+        cp = sharding.context_axes(q.shape[1], "kda")
+        if cp is not None:
+            if h0 is not None:
+                raise ValueError("kda: context parallelism splits training sequences; cached decoding (an initial "
+                                 "state) runs with the context axis of size 1")
+
+            def run_cp(q, k, v, g, beta, seg):
+                return kda.kda_cp(q, k, v, g, beta, axis_name=cp, segment_ids=seg, chunk_size=self.chunk_size,
+                                  backend=self.backend)
+
+            BTHD = ("activation_batch", "activation_length", "activation_heads", None)
+            names = (BTHD, BTHD, BTHD, BTHD, BTHD[:3], BTHD[:2])
+            return sharding.shard_map_by_names(run_cp, names, BTHD, self.rules)(q, k, v, g, beta, seg), None
+
         def run(q, k, v, g, beta, seg, *h0):
             return kda.kda(q, k, v, g, beta, segment_ids=seg, initial_state=h0[0] if h0 else None,
                            chunk_size=self.chunk_size, backend=self.backend, return_final_state=True)
 
         state = () if h0 is None else (h0,)
         BTHD = ("activation_batch", None, "activation_heads", None)
-        BHKV = ("activation_batch", "activation_heads", None, None)
         names = (BTHD, BTHD, BTHD, BTHD, ("activation_batch", None, "activation_heads"), ("activation_batch", None))
         return sharding.shard_map_by_names(run, names + (BHKV,) * len(state), (BTHD, BHKV), self.rules)(
             q, k, v, g, beta, seg, *state)

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx, struct
 
 from ling2.config.specs import MLASpec
-from ling2.layers import norms, rope, yarn
+from ling2.layers import norms, rope, sharding, yarn
 from ling2.layers.decode import attention_mask as decode_mask
 from ling2.layers.decode import move_slots, overflow_to_nan, write_rows
 from ling2.layers.sharding import constrain
@@ -75,6 +75,68 @@ def blocked_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, block):
         mask = attention_mask(segment_BT[:, s:e], segment_BT[:, :e], index[:, s:e], index[:, :e])
         outs.append(dot_product_attention(q_BTHK[:, s:e], k_BSHK[:, :e], v_BSHV[:, :e], mask, scale))
     return jnp.concatenate(outs, axis=1)
+
+
+def context_attention(q_BTHK, k_BSHK, v_BSHV, q_index_BT, q_segment_BT, kv_segment_BS, scale, block):
+    """Causal, same-segment attention of a shard of queries against the whole sequence's keys (context
+    parallelism): q at global indices `q_index_BT`, keys at 0..S-1. Runs per query block of `block` over
+    all S keys (which keys a shard's queries may see depends on where the shard sits, unknown to a
+    static slice), so it does the full T x S work rather than the causal half."""
+    T, S = q_BTHK.shape[1], k_BSHK.shape[1]
+    kv_index_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), kv_segment_BS.shape)
+    outs = []
+    for s in range(0, T, block):
+        e = min(s + block, T)
+        mask = attention_mask(q_segment_BT[:, s:e], kv_segment_BS, q_index_BT[:, s:e], kv_index_BS)
+        outs.append(dot_product_attention(q_BTHK[:, s:e], k_BSHK, v_BSHV, mask, scale))
+    return jnp.concatenate(outs, axis=1)
+
+
+def splash_context_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, rules, *, interpret=None, block=512):
+    """Splash attention with the queries split over the context axis and the keys whole on every device
+    (inside `use_mesh`): one kernel for the whole [T, T] causal mask built with `q_seq_shards` = the context
+    size, its mask blocks split with the queries (`manual_sharding_spec`), so each device skips the blocks
+    above the diagonal of its own rows. Needs T / context to be a multiple of the block."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    B, T, H, _ = q_BTHK.shape
+    mesh = jax.sharding.get_abstract_mesh()
+    heads, seq = sharding.dim_axes("activation_heads", H), sharding.dim_axes("activation_length", T)
+    head_shards, n = (int(np.prod([mesh.shape[a] for a in axes])) for axes in (heads, seq))
+    bq, bkv = min(block, T // n), min(block, T)
+    if (T // n) % bq or T % bkv:
+        raise ValueError(f"attention_kernel=flash: a context shard of {T // n} positions must be a multiple of the "
+                         f"block {bq}, and the sequence ({T}) of {bkv}")
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+                          block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
+    mask = sm.MultiHeadMask([sm.CausalMask((T, T)) for _ in range(H)])
+    axis = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes  # noqa: E731
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis(heads), axis(seq)))
+    BTHD, BSHD = ("activation_batch", "activation_length", "activation_heads", None), ("activation_batch", None,
+                                                                                       "activation_heads", None)
+
+    def body(kernel, q, k, v, q_seg, kv_seg):
+        attend = lambda q1, k1, v1, s1, s2: kernel(q1, k1, v1, segment_ids=sk.SegmentIds(q=s1, kv=s2))  # noqa
+        o = jax.vmap(attend)(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), q_seg, kv_seg)
+        return o.swapaxes(1, 2)
+
+    def attend(interp):
+        def run(q, k, v, seg):
+            kernel = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=head_shards, q_seq_shards=n,
+                                        interpret=interp)
+            names = (kernel.manual_sharding_spec(split), BTHD, BSHD, BSHD, ("activation_batch", "activation_length"),
+                     ("activation_batch", None))
+            return sharding.shard_map_by_names(body, names, BTHD, rules)(kernel, q, k, v, seg, seg)
+        return run
+
+    q = (q_BTHK.astype(jnp.float32) * scale).astype(q_BTHK.dtype)
+    seg = segment_BT.astype(jnp.int32)
+    if interpret is None:
+        o = jax.lax.platform_dependent(q, k_BSHK, v_BSHV, seg, tpu=attend(False), default=attend(True))
+    else:
+        o = attend(interpret)(q, k_BSHK, v_BSHV, seg)
+    return o.astype(q_BTHK.dtype)
 
 
 def cudnn_fits(K, V):
@@ -208,6 +270,7 @@ class MLA(nnx.Module):
         self.inv_freq = tuple(float(f) for f in yarn.rope_inv_freq(spec))
         self.rope_scaling = yarn.rope_attention_scaling(spec)
         self.scale = yarn.mla_softmax_scale(spec)
+        self.rules = sharding.rules_dict(spec.logical_axis_rules)
 
     def _w(self, p):
         return p[...].astype(jnp.dtype(self.dtype))
@@ -231,13 +294,14 @@ class MLA(nnx.Module):
         q_rope, k_rope = rot(q_rope), rot(k_rope)[:, :, 0]
         return jnp.concatenate([q_BTHK[..., :self.Dn], q_rope], axis=-1), c_kv, k_rope
 
-    def expand(self, c_kv_BSC, k_rope_BSR):
-        """Per-head K [B,S,H,nope+rope] and V [B,S,H,v] from latents (kv_b up-projection)."""
+    def expand(self, c_kv_BSC, k_rope_BSR, length="activation_length"):
+        """Per-head K [B,S,H,nope+rope] and V [B,S,H,v] from latents (kv_b up-projection); `length`: the
+        logical name their S dim is sharded by (None: whole on every device)."""
         kv = jnp.einsum("bsr,rhk->bshk", c_kv_BSC, self._w(self.kv_b))
         k_nope, v_BSHV = kv[..., :self.Dn], kv[..., self.Dn:]
         k_BSHK = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope_BSR[:, :, None], (*k_nope.shape[:3], self.Dr))],
                                  axis=-1)
-        names = ("activation_batch", "activation_length", "activation_heads", None)
+        names = ("activation_batch", length, "activation_heads", None)
         return constrain(k_BSHK, names), constrain(v_BSHV, names)
 
     def absorbed(self, q_BTHK, c_kv_BSC, k_rope_BSR, mask_BTS):
@@ -292,8 +356,34 @@ class MLA(nnx.Module):
         q_BTHK, c_kv, k_rope = self.project(x_BTE, positions_BT)
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
+        cp = sharding.context_axes(T, "mla")
+        if cp is not None:
+            return self._out(x_BTE, self._attend_context(q_BTHK, c_kv, k_rope, segment_ids_BT))
         k_BSHK, v_BSHV = self.expand(c_kv, k_rope)
         return self._out(x_BTE, self._attend(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT))
+
+    def _attend_context(self, q_BTHK, c_kv_BTC, k_rope_BTR, segment_ids_BT):
+        """Attention with the sequence split over a context axis: the latents (c_kv + k_rope, kv_lora + rope
+        values per token) are all-gathered along it and expanded on every device; each device attends its
+        own queries to all keys (`splash_context_attention` for attention_kernel=flash, else
+        `context_attention`: cuDNN's fused kernel takes equal q and kv lengths only)."""
+        B, T = segment_ids_BT.shape
+        whole = ("activation_batch", None, None)
+        k_BSHK, v_BSHV = self.expand(constrain(c_kv_BTC, whole), constrain(k_rope_BTR, whole), length=None)
+        index_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        split, BTHD = ("activation_batch", "activation_length"), ("activation_batch", "activation_length",
+                                                                  "activation_heads", None)
+        BSHD = ("activation_batch", None, "activation_heads", None)
+
+        if self.kernel == "flash":
+            return splash_context_attention(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, self.scale, self.rules)
+
+        def body(q, k, v, index, seg, kv_seg):
+            return context_attention(q, k, v, index, seg, kv_seg, self.scale, self.block)
+
+        f = sharding.shard_map_by_names(body, (BTHD, BSHD, BSHD, split, split, ("activation_batch", None)), BTHD,
+                                        self.rules)
+        return f(q_BTHK, k_BSHK, v_BSHV, index_BT, segment_ids_BT, segment_ids_BT)
 
     # ---- cached decoding (ling2.layers.decode) ----
 

@@ -1,6 +1,6 @@
 """Expert parallelism: routed experts sharded over the `expert` mesh axis, tokens moved by all-to-all.
 
-Inside `shard_map`, each device holds T local tokens and E/n experts (n = size of `expert`).
+Inside `shard_map`, each device holds T local tokens (its rows' positions on its context shard) and E/n experts (n = size of `expert`).
 With n = 1 (no expert axis) the same body is the per-device grouped matmul of a multi-device
 mesh: the weights are gathered whole, the all-to-alls are no-ops, and the grouped matmul runs on
 local rows, as a Pallas kernel (megablox) must (XLA cannot partition it).
@@ -90,6 +90,8 @@ def dropless_ep(x_BSD, experts_BSK, weights_BSK, w, *, mesh, rules, gmm: str):
         y = _local(x.reshape(b * s, -1), e.reshape(b * s, -1), g.reshape(b * s, -1), (wg, wu, wd), n=n, gmm=gmm)
         return y.reshape(x.shape)
 
-    BSD, EXP = ("activation_batch", None, None), P("expert")  # _local needs exactly the expert axis's shards
+    # Rows and positions split as activations (a context axis splits positions); _local needs exactly the
+    # expert axis's shards of the weights.
+    BSD, EXP = ("activation_batch", "activation_length", None), P("expert")
     f = sharding.shard_map_by_names(body, (BSD, BSD, BSD, EXP, EXP, EXP), BSD, rules, mesh=mesh)
     return f(x_BSD, experts_BSK, weights_BSK, *w)

@@ -33,7 +33,7 @@ def logical_to_spec(names, shape, rules, mesh: Mesh) -> PartitionSpec:
             raise ValueError(f"logical axis {name!r} has no rule in logical_axis_rules")
         axes = []
         for a in rules.get(name, ()) if name is not None else ():
-            size = mesh.shape[a]
+            size = mesh.shape.get(a, 1)  # an axis this mesh lacks: size 1
             if a in used or size == 1 or dim % (math.prod(mesh.shape[x] for x in axes) * size):
                 continue
             axes.append(a)
@@ -53,22 +53,43 @@ def use_mesh(mesh: Mesh, rules):
         _ACTIVE.reset(token)
 
 
+def dim_axes(name: str, size: int) -> tuple[str, ...]:
+    """The mesh axes a dim of logical `name` and `size` is split over inside `use_mesh` (in order); () outside."""
+    active = _ACTIVE.get()
+    if active is None:
+        return ()
+    mesh, rules = active
+    axes = logical_to_spec((name,), (size,), rules, mesh)[0]
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
 def dim_shards(name: str, size: int) -> int:
     """How many ways a dim of logical `name` and `size` is split inside `use_mesh`; 1 outside."""
     active = _ACTIVE.get()
+    return 1 if active is None else math.prod(active[0].shape[a] for a in dim_axes(name, size))
+
+
+def context_axes(length: int, what: str):
+    """The mesh axis name (or tuple of names) a sequence of `length` positions is split over inside
+    `use_mesh` (the activation_length rule: context parallelism), None when it is whole. `what` names the
+    caller in the error raised when the rule maps to mesh axes that do not divide `length` evenly."""
+    active = _ACTIVE.get()
     if active is None:
-        return 1
+        return None
     mesh, rules = active
-    axes = logical_to_spec((name,), (size,), rules, mesh)[0]
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-    return math.prod(mesh.shape[a] for a in axes)
+    want = tuple(a for a in rules.get("activation_length", ()) if mesh.shape.get(a, 1) > 1)
+    axes = dim_axes("activation_length", length)
+    if axes != want:
+        raise ValueError(f"{what}: the sequence of {length} positions does not split over the context axes "
+                         f"{dict((a, mesh.shape[a]) for a in want)} (it must be a multiple of their product)")
+    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def shard_map_by_names(f, in_names, out_names, rules, *, mesh=None):
     """f run per device in `jax.shard_map` over `mesh` (default: the ambient one), every argument and output
     split by its logical axis names through `rules` (cfg.logical_axis_rules or `rules_dict`'s form): one tuple
     per array, e.g. ("activation_batch", None, "activation_heads", None), or a PartitionSpec of mesh axes
-    taken as is. out_names is one entry (f returns an array) or a tuple of them (f returns a tuple). A name
+    taken as is (or, for a pytree argument, a pytree of PartitionSpecs). out_names is one entry (f returns an array) or a tuple of them (f returns a tuple). A name
     splits the same way wherever it appears (decided on the arguments, whose dims must agree). Without a
     mesh, or on one device, f itself. check_vma=False: Pallas kernels inside cannot state how their outputs
     vary over the mesh; an argument replicated over split axes has its gradient summed over them by
@@ -81,7 +102,7 @@ def shard_map_by_names(f, in_names, out_names, rules, *, mesh=None):
         r = rules if isinstance(rules, dict) else rules_dict(rules)
         axes = {}
         for names, x in zip(in_names, args):
-            if isinstance(names, PartitionSpec):
+            if isinstance(names, PartitionSpec) or not isinstance(names, tuple):
                 continue
             for name, ax in zip(names, logical_to_spec(names, x.shape, r, m)):
                 if name is not None and axes.setdefault(name, ax) != ax:
@@ -89,7 +110,7 @@ def shard_map_by_names(f, in_names, out_names, rules, *, mesh=None):
                                      f"argument and {ax} on another (dims of different sizes)")
 
         def spec(names):
-            if isinstance(names, PartitionSpec):
+            if isinstance(names, PartitionSpec) or not isinstance(names, tuple):
                 return names
             return PartitionSpec(*(None if n is None else axes[n] for n in names))
 

@@ -63,7 +63,7 @@ def moe_metrics(moe: dict, k: int) -> dict:
 def abstract_batch(cfg, mesh) -> dict:
     """ShapeDtypeStructs of one global step batch [M, b, S], sharded as `to_global` shards it."""
     M, b, S = cfg.gradient_accumulation_steps, cfg.micro_batch_size(mesh.size), cfg.max_target_length
-    sh = batch_sharding(cfg, mesh, b)
+    sh = batch_sharding(cfg, mesh, b, S)
     out = {k: jax.ShapeDtypeStruct((M, b, S), jnp.int32, sharding=sh)
            for k in ("inputs", "targets", "positions", "segment_ids")}
     out["loss_weights"] = jax.ShapeDtypeStruct((M, b, S), jnp.float32, sharding=sh)

@@ -1,6 +1,6 @@
 """Where a run executes: the device mesh, parameter shardings, global batches and device peak FLOP/s.
 
-The mesh is (data, fsdp, expert, tensor) from cfg.ici_*_parallelism (one -1 fills the
+The mesh is (data, fsdp, expert, context, tensor) from cfg.ici_*_parallelism (one -1 fills the
 devices of a slice) times cfg.dcn_*_parallelism across slices (multi-slice; slices outermost).
 Parameters carry logical axis names (`out_sharding` metadata); the config's
 `logical_axis_rules` map them to mesh axes (`ling2.layers.sharding.logical_to_spec`).
@@ -49,7 +49,7 @@ def mesh_shapes(cfg, num_devices: int, num_slices: int = 1) -> tuple[tuple[int, 
 
 
 def mesh_shape(cfg, num_devices: int, num_slices: int = 1) -> tuple[int, ...]:
-    """The (data, fsdp, expert, tensor) sizes: dcn x ici per axis (one -1 fills within each)."""
+    """The (data, fsdp, expert, context, tensor) sizes: dcn x ici per axis (one -1 fills within each)."""
     ici, dcn = mesh_shapes(cfg, num_devices, num_slices)
     return tuple(i * d for i, d in zip(ici, dcn))
 
@@ -68,13 +68,17 @@ def hybrid_device_array(slices: list, ici: tuple, dcn: tuple) -> np.ndarray:
 
 
 def make_mesh(cfg, devices=None) -> Mesh:
-    """A (data, fsdp, expert, tensor) mesh over `devices` (default: all). Over several slices (devices'
+    """A (data, fsdp, expert, context, tensor) mesh over `devices` (default: all). Over several slices (devices'
     slice_index) each axis is dcn x ici, slices outermost: cfg.dcn_*_parallelism slices along it."""
     devices = jax.devices() if devices is None else list(devices)
     by_slice: dict = {}
     for d in devices:
         by_slice.setdefault(getattr(d, "slice_index", 0) or 0, []).append(d)
     ici, dcn = mesh_shapes(cfg, len(devices), len(by_slice))
+    context = MESH_AXES.index("context")
+    problem = cfg.context_problem(ici[context] * dcn[context])
+    if problem:
+        raise ConfigError(f"ici_context_parallelism: {problem}")
     if len(by_slice) == 1:
         arr = np.asarray(devices, dtype=object).reshape(ici)
     else:
@@ -96,22 +100,27 @@ def state_shardings(state, mesh: Mesh, rules):
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def batch_sharding(cfg, mesh: Mesh, rows: int) -> NamedSharding:
-    """Sharding of a global [M, rows, S] batch array: rows split like activations."""
-    spec = sharding.logical_to_spec(("activation_batch",), (rows,), sharding.rules_dict(cfg.logical_axis_rules), mesh)
+def batch_sharding(cfg, mesh: Mesh, rows: int, length: int) -> NamedSharding:
+    """Sharding of a global [M, rows, S] batch array: rows and positions split like activations (the
+    sequence over the context axis)."""
+    spec = sharding.logical_to_spec(("activation_batch", "activation_length"), (rows, length),
+                                    sharding.rules_dict(cfg.logical_axis_rules), mesh)
     return NamedSharding(mesh, PartitionSpec(None, *spec))
 
 
 def to_global(batch: dict, cfg, mesh) -> dict:
-    """Host-local numpy [M, b_local, S] -> global arrays [M, b, S], rows sharded like activations."""
+    """Host-local numpy [M, b_local, S] -> global arrays [M, b, S], rows and positions sharded like activations.
+    Each process holds whole rows: with several processes, a sequence split over the context axis must
+    stay within the devices of the process holding its row."""
     out = {}
     for k, x_MBS in batch.items():
         x_MBS = np.asarray(x_MBS)
-        shard = batch_sharding(cfg, mesh, x_MBS.shape[1] * jax.process_count())
+        M, b, S = x_MBS.shape
+        shard = batch_sharding(cfg, mesh, b * jax.process_count(), S)
         if jax.process_count() == 1:
             out[k] = jax.device_put(x_MBS, shard)
         else:
-            out[k] = jax.make_array_from_process_local_data(shard, x_MBS)
+            out[k] = jax.make_array_from_process_local_data(shard, x_MBS, (M, b * jax.process_count(), S))
     return out
 
 

@@ -20,8 +20,8 @@ def mesh(**sizes):
 
 def test_mesh_shape_fill_and_errors():
     cfg = load_config(ici_fsdp_parallelism=-1, ici_expert_parallelism=2, ici_tensor_parallelism=2)
-    assert runtime.mesh_shape(cfg, 8) == (1, 2, 2, 2)
-    assert dict(runtime.make_mesh(cfg).shape) == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2}
+    assert runtime.mesh_shape(cfg, 8) == (1, 2, 2, 1, 2)
+    assert dict(runtime.make_mesh(cfg).shape) == {"data": 1, "fsdp": 2, "expert": 2, "context": 1, "tensor": 2}
     with pytest.raises(ValueError, match="ici_"):
         runtime.mesh_shape(load_config(ici_fsdp_parallelism=3), 8)
     with pytest.raises(ValueError, match="ici_"):
@@ -30,8 +30,8 @@ def test_mesh_shape_fill_and_errors():
 
 def test_multi_slice_mesh_shapes_and_errors():
     cfg = load_config(ici_fsdp_parallelism=-1, ici_tensor_parallelism=2, dcn_data_parallelism=2, dcn_fsdp_parallelism=-1)
-    assert runtime.mesh_shapes(cfg, 32, num_slices=4) == ((1, 4, 1, 2), (2, 2, 1, 1))
-    assert runtime.mesh_shape(cfg, 32, num_slices=4) == (2, 8, 1, 2)
+    assert runtime.mesh_shapes(cfg, 32, num_slices=4) == ((1, 4, 1, 1, 2), (2, 2, 1, 1, 1))
+    assert runtime.mesh_shape(cfg, 32, num_slices=4) == (2, 8, 1, 1, 2)
     with pytest.raises(ValueError, match="dcn_"):  # 2 x 2 slices asked for, 2 there
         runtime.mesh_shape(load_config(dcn_data_parallelism=2, dcn_expert_parallelism=2), 16, num_slices=2)
     with pytest.raises(ValueError, match="dcn_"):  # one slice cannot be split over dcn
@@ -83,3 +83,15 @@ def test_optimizer_state_is_sharded_like_its_parameters():
         assert adam.count.sharding.spec == P() and adam.count.sharding.mesh.size == 8
     shard = lambda t: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(t))
     assert shard(real.opt_state) < 2.1 * shard(real.params)
+
+
+def test_context_axis_splits_batch_positions_and_is_checked_once_filled():
+    """The context axis (-1: fills the 8 devices) must split sequences into whole kernel chunks: 32 positions
+    in chunks of 8 do not split 8 ways; 64 do, and the batch's positions are then split 8 ways."""
+    kw = dict(model_name="ling2-micro", gla_chunk_size=8, ici_fsdp_parallelism=1, ici_context_parallelism=-1)
+    with pytest.raises(ValueError, match=r"ici_context_parallelism: context parallelism 8 needs max_target_length"):
+        runtime.make_mesh(load_config(max_target_length=32, **kw))
+    cfg = load_config(max_target_length=64, **kw)
+    m = runtime.make_mesh(cfg)
+    assert m.shape["context"] == 8
+    assert runtime.batch_sharding(cfg, m, 2, 64).spec == P(None, None, "context")

@@ -19,11 +19,12 @@ def ling2_native_library(name, srcs, **kwargs):
 _PLATFORMS = ("cpu", "tpu", "cuda", "ling3")
 
 def ling2_py_tests(deps, srcs = None, data = [], size = "medium", sizes = {}, devices = {}, tags = {},
-                   platforms = {}, **kwargs):
+                   platforms = {}, shards = {}, **kwargs):
     """One `ling2_py_test` per test file (default: every *_test.py of the package), named after it (a file in
     a subfolder by its path with `_` for `/`: gla/op_test.py is `gla_op_test`).
 
-    `sizes`, `devices`, `tags` and `platforms` map a test name to its own value; `size` is everyone
+    `sizes`, `devices`, `tags`, `platforms` and `shards` (Bazel's shard_count: each shard runs a
+    contiguous slice of the file's tests) map a test name to its own value; `size` is everyone
     else's. A file `*_tpu_compile_test.py` / `*_cuda_compile_test.py` is a test of that platform's
     venv; `platforms` names others (e.g. "ling3": the test-only transformers 5.x venv)."""
     for src in (srcs if srcs != None else native.glob(["*_test.py"])):
@@ -33,7 +34,8 @@ def ling2_py_tests(deps, srcs = None, data = [], size = "medium", sizes = {}, de
             if name.endswith("_%s_compile_test" % p):
                 platform = p
         ling2_py_test(name = name, srcs = [src], deps = deps, data = data, size = sizes.get(name, size),
-                      devices = devices.get(name, 0), tags = tags.get(name, []), platform = platform, **kwargs)
+                      devices = devices.get(name, 0), tags = tags.get(name, []), platform = platform,
+                      **dict(kwargs, **({"shard_count": shards[name]} if name in shards else {})))
 
 def ling2_py_test(name, srcs, deps = [], data = [], devices = 0, env = {}, args = [], size = "small",
                   platform = "cpu", tags = [], **kwargs):

@@ -1,0 +1,125 @@
+"""Context parallelism end to end on 8 fake CPU devices: one training step with the sequence split over
+the `context` axis equals the same step on one device.
+
+Reference: the unsharded step of the same model, seed and global batch on one device (its kernels are
+checked against fla's naive formulas and the HF modeling code elsewhere). Compared: the loss, every
+gradient of a micro-batch, and the parameters after one optimizer step of two micro-batches (gradient
+accumulation), each within 1e-5 relative (norm of the difference over the norm) in float32.
+
+One exception is measured, not assumed: a gradient whose float32 value is a sum with heavy cancellation
+(KDA's A_log) differs by more than 1e-5 between the one-device step and the same step with only the batch
+split over fsdp 2 (no context), i.e. by the reordering of a float32 sum; Adam's first step, about
+lr * sign(g), passes that on to a parameter whose gradient entries are near zero. For such a tensor the
+context run must stay within twice that measured reordering error instead.
+
+Batches hold packed documents whose boundaries fall inside shards, exactly on shard edges, and documents
+spanning three or more shards (positions restart at each document, as the data pipeline writes them).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ling2.config import load_config
+from ling2.layers.sharding import use_mesh
+from ling2.train import runtime
+from ling2.train import step as S
+from ling2.train.state import abstract_state, init_state
+
+T = 128
+COMMON = dict(max_target_length=T, gla_chunk_size=8, kda_chunk_size=16, attention_block_size=16,
+              warmup_steps_fraction=0.0, lr_schedule="constant", learning_rate=1e-3, gradient_accumulation_steps=2,
+              calculate_per_token_loss=True, load_balance_loss_weight=0.01)
+MODELS = {
+    "ling2-micro": dict(model_name="ling2-micro"),
+    # Ling 3 micro: KDA, MLA with the output gate, group routing, one MTP depth
+    "ling3-micro": dict(model_name="ling3-tiny", base_num_decoder_layers=4, base_emb_dim=64),
+}
+CUTS = ([5, 37, 64, 70], [16, 100])  # per row (cycled): doc starts; 64 is every split's edge, 16 and 32 some
+
+
+def packed_batch(cfg, M, B, seed=0):
+    """[M, B, T] arrays of packed documents: segment ids count documents, positions restart in each."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, cfg.vocab_size, (M, B, T + 1)).astype(np.int32)
+    seg = np.ones((M, B, T), np.int32)
+    pos = np.zeros((M, B, T), np.int32)
+    for m in range(M):
+        for b in range(B):
+            cuts = CUTS[(b + m) % len(CUTS)]
+            starts = np.zeros(T, np.int32)
+            starts[cuts] = 1
+            seg[m, b] = 1 + np.cumsum(starts)
+            start = np.maximum.accumulate(np.where(starts == 1, np.arange(T), 0))
+            pos[m, b] = np.arange(T) - start
+    w = np.ones((M, B, T), np.float32)
+    w[:, :, -1] = 0
+    w[:, :, 63] = 0
+    return dict(inputs=ids[..., :-1], targets=ids[..., 1:], positions=pos, segment_ids=seg, loss_weights=w)
+
+
+def run_step(cfg, devices, batch):
+    """(loss, the first micro-batch's gradients, the state after one step: parameters and the loss-free expert
+    biases, moved by the step's expert counts) as numpy, on a mesh over `devices`."""
+    mesh = runtime.make_mesh(cfg, devices)
+    setup = abstract_state(cfg, mesh)
+    state = init_state(cfg, mesh, setup)
+    M, B, _ = batch["inputs"].shape
+    sh = runtime.batch_sharding(cfg, mesh, B, T)
+    batch = {k: jax.device_put(v, sh) for k, v in batch.items()}
+    tokens = {"tokens": jnp.sum(batch["loss_weights"])}
+    if cfg.mtp_num_layers:
+        counts = jax.vmap(lambda w, s: S.depth_token_counts(w, s, cfg.mtp_num_layers))(batch["loss_weights"],
+                                                                                      batch["segment_ids"])
+        tokens["mtp_tokens"] = jnp.sum(counts, axis=0)
+    grad_fn = jax.jit(jax.grad(functools.partial(S.forward, setup.graphdef, cfg=cfg, step_tokens=tokens), has_aux=True))
+    step_fn = S.jit_train_step(setup.graphdef, setup.tx, cfg, setup.schedule)
+    with use_mesh(mesh, cfg.logical_axis_rules):
+        grads, _ = grad_fn(state.params, state.rest, jax.tree.map(lambda x: x[0], batch))
+        new, metrics = step_fn(state, batch)
+    flat = lambda tree: {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(tree)}  # noqa: E731
+    return float(metrics["loss"]), flat(grads), {**flat(new.params), **flat(new.rest)}
+
+
+def rel(a, b):
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30))
+
+
+@functools.cache
+def reference(model):
+    cfg = load_config(MODELS[model], COMMON, ici_fsdp_parallelism=1)
+    batch = packed_batch(cfg, 2, 4)
+    one = run_step(cfg, jax.devices()[:1], batch)
+    split = run_step(load_config(MODELS[model], COMMON, ici_fsdp_parallelism=2), jax.devices()[:2], batch)
+    # float32 reordering error of each gradient and each updated parameter
+    floor = {p: rel(one[1][p], g) for p, g in split[1].items()}, {p: rel(one[2][p], x) for p, x in split[2].items()}
+    return batch, one, floor
+
+
+def test_context_shards_split_the_sequence():
+    """The batch really is split along the sequence: each device holds T / context positions of every row."""
+    cfg = load_config(MODELS["ling2-micro"], COMMON, ici_fsdp_parallelism=1, ici_context_parallelism=8)
+    mesh = runtime.make_mesh(cfg, jax.devices())
+    x = jax.device_put(np.zeros((2, 4, T), np.int32), runtime.batch_sharding(cfg, mesh, 4, T))
+    assert {s.data.shape for s in x.addressable_shards} == {(2, 4, T // 8)}
+
+
+@pytest.mark.parametrize("mesh", [dict(context=2), dict(context=4), dict(context=8),
+                                  dict(context=2, fsdp=2, expert=2)], ids=lambda m: "x".join(f"{k}{v}" for k, v in m.items()))
+@pytest.mark.parametrize("model", list(MODELS))  # one model after the other: Bazel's 2 shards, one each
+def test_context_parallel_step_equals_one_device(model, mesh):
+    assert len(jax.devices()) == 8
+    batch, (loss1, grads1, params1), floor = reference(model)
+    sizes = {f"ici_{a}_parallelism": mesh.get(a, 1) for a in ("data", "fsdp", "expert", "context", "tensor")}
+    cfg = load_config(MODELS[model], COMMON, sizes)
+    n = int(np.prod(list(mesh.values())))
+    loss, grads, params = run_step(cfg, jax.devices()[:n], batch)
+    assert abs(loss - loss1) <= 1e-5 * abs(loss1)
+    assert grads.keys() == grads1.keys() and params.keys() == params1.keys()
+    for name, new, ref, fl in (("gradients", grads, grads1, floor[0]), ("updated parameters", params, params1, floor[1])):
+        bad = {p: (r, fl[p]) for p in ref if (r := rel(ref[p], new[p])) > max(1e-5, 2 * fl[p])}
+        assert not bad, f"{name} off by more than 1e-5 relative (or twice the float32 reordering error): {bad}"
