@@ -31,17 +31,24 @@ class Chip:
     hbm_bytes: int
     peak_bf16_flops: float
     cores_per_chip: int  # TensorCores per chip (what a v4/v5p name counts)
+    hbm_bandwidth: float = 0.0  # bytes/s per chip
+    ici_bandwidth: float = 0.0  # bytes/s per chip, bidirectional, all links (0: not published)
 
 
-# Cloud TPU system-architecture pages (peak bf16 per chip, HBM per chip); NVIDIA H100 SXM5
-# datasheet (989 TFLOP/s dense bf16) with the device memory XLA's H100 target spec reports.
+# Cloud TPU system-architecture pages (docs.cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}: peak bf16, HBM
+# capacity and bandwidth, bidirectional ICI bandwidth per chip; the v4 page gives no per-chip ICI figure);
+# NVIDIA H100 SXM5 datasheet (989 TFLOP/s dense bf16, 3.35 TB/s HBM3, 900 GB/s NVLink) with the device
+# memory XLA's H100 target spec reports.
 CHIPS = {
-    "v4": Chip("v4", "tpu", "TPU v4", 32 * GiB, 275e12, 2),
-    "v5e": Chip("v5e", "tpu", "TPU v5 lite", 16 * GiB, 197e12, 1),
-    "v5p": Chip("v5p", "tpu", "TPU v5", 95 * GiB, 459e12, 2),
-    "v6e": Chip("v6e", "tpu", "TPU v6 lite", 32 * GiB, 918e12, 1),
-    "h100": Chip("h100", "cuda", "NVIDIA H100 80GB HBM3", 84_942_979_072, 989e12, 1),
+    "v4": Chip("v4", "tpu", "TPU v4", 32 * GiB, 275e12, 2, 1200e9, 0.0),
+    "v5e": Chip("v5e", "tpu", "TPU v5 lite", 16 * GiB, 197e12, 1, 819e9, 400e9),
+    "v5p": Chip("v5p", "tpu", "TPU v5", 95 * GiB, 459e12, 2, 2765e9, 1200e9),
+    "v6e": Chip("v6e", "tpu", "TPU v6 lite", 32 * GiB, 918e12, 1, 1638e9, 800e9),
+    "h100": Chip("h100", "cuda", "NVIDIA H100 80GB HBM3", 84_942_979_072, 989e12, 1, 3.35e12, 900e9),
 }
+CHIP_SOURCES = {"v4": "https://cloud.google.com/tpu/docs/v4", "v5e": "https://cloud.google.com/tpu/docs/v5e",
+                "v5p": "https://cloud.google.com/tpu/docs/v5p", "v6e": "https://cloud.google.com/tpu/docs/v6e",
+                "h100": "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"}
 _ALIASES = {"v5litepod": "v5e"}
 _CUBE_CHIPS = 64  # a 4x4x4 cube: v4 / v5p slices this size and up are whole cubes, wrapped
 _MAX_CHIPS = {"v4": 4096, "v5p": 8960}

@@ -106,14 +106,14 @@ def load_config(*overrides: Union[str, Mapping[str, Any]], config_file: Union[st
       config_file: the root config (default configs/base.yml). It may name a parent with
         `base_config: <path relative to it>`. Model files are read from `models/` next to
         the first file of that chain.
+
+    Precedence, lowest first: the chain's first file (base.yml), the model file of `model_name`, the
+    chain's other files (a run's own config, e.g. configs/train/ling2-128k.yml stretching the model's
+    RoPE), then the overrides.
       **kwargs: more overrides.
     """
     root = Path(config_file) if config_file else BASE_CONFIG
     chain = _chain(Path(os.path.abspath(root)))  # lexical: keeps Bazel runfiles paths
-    merged: dict = {}
-    sources: dict = {}
-    for path, data in chain:
-        _merge(merged, data, str(path), sources)
 
     cli: dict = {}
     for o in overrides:
@@ -123,14 +123,21 @@ def load_config(*overrides: Union[str, Mapping[str, Any]], config_file: Union[st
         if k not in Config.model_fields:
             raise _unknown(k, "override")
 
-    model_name = cli.get("model_name", merged.get("model_name", "default"))
+    model_name = cli.get("model_name", "default")
+    for _, data in chain:
+        model_name = cli.get("model_name", data.get("model_name", model_name))
+    layers = [(str(path), data) for path, data in chain[:1]]
     if model_name != "default":
         model_file = chain[0][0].parent / "models" / f"{model_name}.yml"
         if not model_file.is_file():
             known = sorted(p.stem for p in model_file.parent.glob("*.yml"))
             raise ConfigError(f"{model_file}: model file for model_name={model_name!r} not found (known: {known})")
-        _merge(merged, _read_yaml(model_file), str(model_file), sources)
-    _merge(merged, cli, "override", sources)
+        layers.append((str(model_file), _read_yaml(model_file)))
+    layers += [(str(path), data) for path, data in chain[1:]] + [("override", cli)]
+    merged: dict = {}
+    sources: dict = {}
+    for where, data in layers:
+        _merge(merged, data, where, sources)
 
     missing = [k for k in Config.model_fields if k not in merged]
     if missing:

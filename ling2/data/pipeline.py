@@ -218,19 +218,32 @@ def transforms(eod_id: int, pad_id: int = -1, bos_id: int = -1, add_bos: bool = 
     return out
 
 
+PREFETCH_BYTES = 256 * 2**20  # host memory the read-ahead of batches may hold
+
+
+def read_options(batch_bytes: int) -> grain.ReadOptions:
+    """Grain's read-ahead sized by bytes, not batches: as many batches as fit in PREFETCH_BYTES (at least 2,
+    at most 16). Grain's default of 500 batches ahead would hold 500 x 40 MiB for 8 rows of 128K tokens."""
+    ahead = int(min(16, max(2, PREFETCH_BYTES // max(batch_bytes, 1))))
+    return grain.ReadOptions(num_threads=min(ahead, 16), prefetch_buffer_size=ahead)
+
+
 def make_iterator(dataset, global_batch: int, ops: Sequence, process_index: int = 0,
                   process_count: int = 1, worker_count: int = 0):
     """Checkpointable iterator of this host's batches: dict of [global_batch / P, S] arrays.
 
-    `dataset`: anything with len() and [i] -> tokens (GPTDataset, BlendedDataset, ...).
+    `dataset`: anything with len() and [i] -> tokens (GPTDataset, BlendedDataset, ...). The read-ahead
+    holds at most `PREFETCH_BYTES` of batches (`read_options`), whatever the sequence length.
     """
     host = HostBatches(dataset, global_batch, process_index, process_count)
     if len(host) == 0:
         raise DataError(f"{len(dataset)} samples make no global batch of {global_batch}")
+    width = len(dataset[0]) if not hasattr(dataset, "read") else dataset.read(np.arange(1), np.int32)[0].shape[-1]
+    batch_bytes = host.local * width * 4 * 6  # the text and the five [b, S] arrays made from it
     ds = grain.MapDataset.source(host)
     for op in ops:
         ds = ds.map(op)
-    ds = ds.to_iter_dataset()
+    ds = ds.to_iter_dataset(read_options(batch_bytes))
     if worker_count > 0:
         from absl import flags
         if not flags.FLAGS.is_parsed():  # grain's workers read absl flags (no absl app here)

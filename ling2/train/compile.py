@@ -153,6 +153,32 @@ def plan(cfg, topo, log=print) -> dict:
     peak = topo.chip.peak_bf16_flops
     out["step_s_at_peak"] = executed / peak
     out["mfu_at_peak"] = out["ling2_flops_per_chip"] / executed
+    out.update(roofline(compiled.as_text(), dict(mesh.shape), topo.chip, out["step_s_at_peak"], cfg))
+    return out
+
+
+def roofline(hlo_text: str, mesh_shape: dict, chip, compute_s: float, cfg) -> dict:
+    """Bytes the compiled step moves per chip (`hlo_traffic`: collectives by kind and mesh axis, HBM) and the
+    step-time bound max(compute, HBM bytes / HBM bandwidth, ICI bytes / ICI bandwidth) from the chip's
+    published numbers (`ling2.topology.CHIPS`; an ICI figure of 0 is unpublished and leaves that term out)."""
+    from ling2.topology import CHIP_SOURCES
+    from ling2.train import hlo_traffic
+
+    t = hlo_traffic.traffic(hlo_text, mesh_shape)
+    wire = sum(v["wire_bytes"] for v in t["collectives"].values())
+    out = {"collectives": [{"kind": k, "axes": list(a), **v} for (k, a), v in
+                           sorted(t["collectives"].items(), key=lambda kv: -kv[1]["wire_bytes"])],
+           "collective_wire_bytes": wire, "hbm_traffic_bytes": t["hbm_bytes"], "hlo_unknown_loops": t["unknown_loops"],
+           "chip_hbm_bandwidth": chip.hbm_bandwidth, "chip_ici_bandwidth": chip.ici_bandwidth,
+           "chip_source": CHIP_SOURCES.get(chip.generation, "")}
+    terms = {"compute": compute_s, "hbm": t["hbm_bytes"] / chip.hbm_bandwidth if chip.hbm_bandwidth else 0.0,
+             "ici": wire / chip.ici_bandwidth if chip.ici_bandwidth else 0.0}
+    out["roofline_s"] = terms
+    out["roofline_step_s"] = max(terms.values())
+    out["roofline_bound"] = max(terms, key=terms.get)
+    context = mesh_shape.get("context", 1)
+    if context > 1:  # contiguous shards of a causal sequence: the last shard's queries see every key
+        out["mla_context_imbalance"] = (2 * context - 1) / context if cfg.attention_kernel == "flash" else 1.0
     return out
 
 
@@ -189,6 +215,18 @@ def table(p: dict) -> str:
             ("step time at peak", f"{p['step_s_at_peak']:9.3f} s  ({p['step_flops_basis']} FLOPs)"),
             ("MFU at that step time (bound)", f"{100 * p['mfu_at_peak']:9.1f} %"),
         ]
+        if "roofline_s" in p:
+            r = p["roofline_s"]
+            rows += [("HBM traffic per chip (HLO estimate)", g(p["hbm_traffic_bytes"])),
+                     ("collective bytes per chip (wire)", g(p["collective_wire_bytes"]))]
+            rows += [(f"  {c['kind']} over {'x'.join(c['axes']) or 'none'}", g(c["wire_bytes"])
+                      + f"  ({c['count']:.0f} calls)") for c in p["collectives"][:8]]
+            rows += [("roofline step: compute / HBM / ICI", f"{r['compute']:9.4g} / {r['hbm']:.4g} / {r['ici']:.4g} s"),
+                     ("roofline step estimate", f"{p['roofline_step_s']:9.4g} s  ({p['roofline_bound']}-bound; "
+                      f"{p['chip_hbm_bandwidth'] / 1e9:.0f} GB/s HBM, {p['chip_ici_bandwidth'] / 1e9:.0f} GB/s ICI: "
+                      f"{p['chip_source']})")]
+            if "mla_context_imbalance" in p:
+                rows += [("MLA causal work, max / mean shard", f"{p['mla_context_imbalance']:9.3f}")]
     else:
         rows += [("parameters", g(p["params_bytes"])), ("optimizer state", g(p["opt_state_bytes"])),
                  ("batch", g(p["batch_bytes"])), ("total (XLA stopped: out of HBM)", g(p["total_bytes"])),

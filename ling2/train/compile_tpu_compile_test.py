@@ -20,7 +20,7 @@ MICRO = dict(model_name="ling2-micro", max_target_length=64, gradient_accumulati
 
 
 def run_plan(name, num_slices=1, **kw):
-    cfg = load_config(**MICRO, **kw)
+    cfg = load_config({**MICRO, **kw})
     return compile_lib.plan(cfg, topology.parse(name, num_slices), log=lambda s: None), cfg
 
 
@@ -55,7 +55,7 @@ def check_plan(p):
 def test_fsdp_expert_tensor_on_one_slice(monkeypatch):
     seen = spy_compiled(monkeypatch)
     p, cfg = run_plan("v5p-16", ici_fsdp_parallelism=2, ici_expert_parallelism=2, ici_tensor_parallelism=2)
-    assert p["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 2} and p["chips"] == 8
+    assert p["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "context": 1, "tensor": 2} and p["chips"] == 8
     check_plan(p)
     hlo = seen["hlo"]
     assert "all-to-all" in hlo  # MoE expert parallelism exchanges tokens
@@ -79,11 +79,31 @@ def test_two_slices_data_over_dcn(monkeypatch):
     real = loop.compile_train_step
     monkeypatch.setattr(loop, "compile_train_step", lambda cfg, mesh, *a: meshes.append(mesh) or real(cfg, mesh, *a))
     p, _ = run_plan("v5p-8", num_slices=2, dcn_data_parallelism=2, ici_fsdp_parallelism=2, ici_expert_parallelism=2)
-    assert p["mesh"] == {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1} and p["num_slices"] == 2
+    assert p["mesh"] == {"data": 2, "fsdp": 2, "expert": 2, "context": 1, "tensor": 1} and p["num_slices"] == 2
     check_plan(p)
     devs = np.asarray(meshes[0].devices)
     for i in range(2):  # the data axis is the slice: only it crosses the data-center network
         assert {d.slice_index for d in devs[i].ravel()} == {i}
+
+
+def test_context_parallel_plan_reports_its_collectives_and_roofline():
+    """ling2-micro at 512 positions split 4 ways over the context axis of a v5p-16 (8 chips, fsdp 2): the
+    sequence's collectives run over `context` (GLA/KDA shard summaries and MLA latents gathered), each loop's
+    trip count is read, and the roofline's terms come from the chip's published numbers."""
+    p, cfg = run_plan("v5p-16", max_target_length=512, gla_chunk_size=64, per_device_batch_size=0.25,
+                      ici_fsdp_parallelism=2, ici_context_parallelism=4)
+    assert p["mesh"]["context"] == 4 and p["fits"]
+    assert p["hlo_unknown_loops"] == 0
+    kinds = {(c["kind"], tuple(c["axes"])) for c in p["collectives"]}
+    assert ("all-gather", ("context",)) in kinds
+    assert p["collective_wire_bytes"] == pytest.approx(sum(c["wire_bytes"] for c in p["collectives"]))
+    r = p["roofline_s"]
+    assert r["compute"] == p["step_s_at_peak"]
+    assert r["hbm"] == pytest.approx(p["hbm_traffic_bytes"] / 2765e9)
+    assert r["ici"] == pytest.approx(p["collective_wire_bytes"] / 1200e9)
+    assert p["roofline_step_s"] == max(r.values()) and p["mla_context_imbalance"] == 1.0
+    # the batch's positions are split 4 ways: 2 rows x 512 positions x 5 int/float arrays x 2 micro-batches
+    assert p["batch_bytes"] == 2 * 1 * (512 // 4) * 4 * 5
 
 
 def test_mesh_that_does_not_divide_the_topology_is_a_plan_error():

@@ -59,6 +59,25 @@ PLANS = {
     "ling2 h100-64": ("h100-64", 1, _H100_64),
     "ling3 h100-64": ("h100-64", 1, ["model_name=ling3", *_H100_64]),
 }
+# Long context (issue 25): 32 sequences of 131,072 tokens (4M tokens per step) with each sequence split 4
+# ways over the context axis, YaRN as configs/train/ling2-128k.yml sets it; one 1,048,576-token sequence
+# split 128 ways. Splash attention (attention_kernel=flash) with the queries split (q_seq_shards).
+_LONG = ["rope_type=yarn", "attention_kernel=flash", "remat_policy=full", "gradient_accumulation_steps=1"]
+_LING2_128K = ["max_target_length=131072", "max_position_embeddings=131072", "rope_factor=32",
+               "original_max_position_embeddings=4096", *_LONG]
+PLANS.update({
+    "ling2 128k v5p-256": ("v5p-256", 1, [*_LING2_128K, "per_device_batch_size=0.25", "ici_fsdp_parallelism=4",
+                                          "ici_expert_parallelism=8", "ici_context_parallelism=4"]),
+    "ling3 128k v5p-256": ("v5p-256", 1, ["model_name=ling3", "max_target_length=131072", "attention_kernel=flash",
+                                          "remat_policy=full", "gradient_accumulation_steps=1",
+                                          "per_device_batch_size=0.25", "ici_fsdp_parallelism=4",
+                                          "ici_expert_parallelism=8", "ici_context_parallelism=4",
+                                          _EMBED_OVER_EXPERT, "mu_dtype=bfloat16"]),
+    "ling2 1m v5p-256": ("v5p-256", 1, ["max_target_length=1048576", "max_position_embeddings=1048576",
+                                        "rope_factor=256", "original_max_position_embeddings=4096", *_LONG,
+                                        "per_device_batch_size=0.0078125", "ici_fsdp_parallelism=1",
+                                        "ici_context_parallelism=128"]),
+})
 BASELINE = {"v5p-64 full logits": "v5p-64"}
 
 
@@ -102,8 +121,8 @@ def main():
 
 def table(results) -> str:
     by = {r["name"]: r for r in results}
-    cols = ["plan", "mesh (d,f,e,t)", "M x b", "params", "opt", "temp", "total GiB", "HBM", "fits", "compile s",
-            "RSS GB", "RSS lowered", "step s", "MFU", "total vs"]
+    cols = ["plan", "mesh (d,f,e,c,t)", "M x b", "seq", "params", "opt", "temp", "total GiB", "HBM", "fits",
+            "compile s", "RSS GB", "RSS lowered", "step s", "MFU", "roofline s", "ICI GiB", "total vs"]
     rows = []
     for r in results:
         if "total_bytes" not in r:
@@ -113,12 +132,15 @@ def table(results) -> str:
         base = by.get(BASELINE.get(r["name"], ""))
         rows.append([
             r["name"], ",".join(str(v) for v in r["mesh"].values()),
-            f"{r['gradient_accumulation_steps']} x {r['micro_batch_seqs']}", g("params_bytes"), g("opt_state_bytes"),
+            f"{r['gradient_accumulation_steps']} x {r['micro_batch_seqs']}", str(r.get("seq_len", "")),
+            g("params_bytes"), g("opt_state_bytes"),
             g("temp_bytes"), g("total_bytes"), g("hbm_bytes"), "yes" if r["fits"] else "no",
             f"{r['compile_s']:.0f}", f"{r['host_rss_bytes'] / 1e9:.2f}" if "host_rss_bytes" in r else "-",
             f"{r['host_peak_rss_lowered_bytes'] / 1e9:.2f}" if "host_peak_rss_lowered_bytes" in r else "-",
             f"{r['step_s_at_peak']:.2f}" if "step_s_at_peak" in r else "-",
             f"{100 * r['mfu_at_peak']:.0f}%" if "mfu_at_peak" in r else "-",
+            f"{r['roofline_step_s']:.2f} ({r['roofline_bound']})" if "roofline_step_s" in r else "-",
+            g("collective_wire_bytes"),
             f"{r['total_bytes'] / base['total_bytes']:.2f}x {base['name']}" if base and "total_bytes" in base else "",
         ])
     w = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
