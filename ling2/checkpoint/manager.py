@@ -304,6 +304,11 @@ class Checkpointer:
     def step_dir(self, step: int) -> Path:
         return self.directory / str(step)
 
+    def steps(self) -> list[int]:
+        """The published step directories, oldest first (a save in flight is not among them: `wait` first)."""
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()) if self.directory.is_dir() \
+            else []
+
     def resume_step(self, log: Callable[[str], None] = print, data: bool = True) -> Optional[int]:
         """The newest step that verifies (see the module doc), or None when there is no checkpoint.
 

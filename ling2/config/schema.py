@@ -190,7 +190,9 @@ class Tokenizer(_Group):
 
 class Optimizer(_Group):
     learning_rate: float = _f("Peak learning rate.", gt=0)
-    lr_schedule: T.LrSchedule = _f("Decay after the linear warmup: cosine, wsd (warmup-stable-decay) or constant.")
+    lr_schedule: T.LrSchedule = _f(
+        "Decay after the linear warmup: cosine, wsd (warmup-stable-decay), constant, or wsm (warmup-stable-merge: "
+        "constant, the decay emulated by merging checkpoints: //ling2/checkpoint:merge, merge_window).")
     warmup_steps_fraction: float = _f("Fraction of `steps` spent warming up linearly from 0.", ge=0, le=1)
     final_lr_fraction: float = _f("Learning rate at the end of the decay, as a fraction of the peak.", ge=0, le=1)
     wsd_decay_steps_fraction: float = _f("lr_schedule=wsd: fraction of `steps` spent decaying.", ge=0, le=1)
@@ -215,6 +217,11 @@ class Training(_Group):
     seed: int = _f("Seed of the parameter initialisation.")
     eval_interval: NonNegativeInt = _f("Evaluate on the valid split every this many steps; 0 never.")
     eval_steps: NonNegativeInt = _f("Validation batches per evaluation.")
+    merge_window: NonNegativeInt = _f(
+        "WSM: also evaluate the merge of the newest this many checkpoints (eval/merged_loss; the training "
+        "state is untouched); 0: off.")
+    merge_every: NonNegativeInt = _f("WSM: evaluate the merged model every this many steps (0: at each eval_interval).")
+    merge_shape: T.MergeShape = _f("WSM: the decay shape the merge weights emulate: uniform (= linear), cosine, 1-sqrt.")
 
 
 class Mesh(_Group):
@@ -332,6 +339,10 @@ class Config(*GROUPS):
         for logical, axes in self.logical_axis_rules:
             for a in axes or ():
                 need(a in MESH_AXES, "logical_axis_rules", f"rule {logical!r} names unknown mesh axis {a!r}")
+        if self.merge_window:
+            need(bool(self.merge_every or self.eval_interval), "merge_window",
+                 "needs merge_every or eval_interval to say when to evaluate the merge")
+            need(self.enable_checkpointing, "merge_window", "merges saved checkpoints: needs enable_checkpointing")
         ici, dcn = self.ici_context_parallelism, self.dcn_context_parallelism
         if ici != -1 and dcn != -1:
             problem = self.context_problem(ici * dcn)
@@ -427,7 +438,8 @@ RESUME_FIELDS: dict[str, str] = {
     "tokenizer_path": RESUME_WARN,
     # the batch shape of a step
     "per_device_batch_size": RESUME_FIXED, "gradient_accumulation_steps": RESUME_FIXED,
-    "eval_interval": RESUME_FREE, "eval_steps": RESUME_FREE,
+    "eval_interval": RESUME_FREE, "eval_steps": RESUME_FREE, "merge_window": RESUME_FREE, "merge_every": RESUME_FREE,
+    "merge_shape": RESUME_FREE,
 }
 
 

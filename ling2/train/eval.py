@@ -5,9 +5,13 @@ evaluation starts the validation iterator afresh, so every evaluation sees the s
 `eval_steps` batches. Batch arrays are [M, B, S]: micro-batches, rows, positions.
 """
 
+import types
+
 import jax
 from flax import nnx
 
+from ling2.checkpoint import merge
+from ling2.checkpoint.state import flat, model_leaves
 from ling2.train.runtime import to_global
 
 
@@ -35,3 +39,34 @@ class Evaluator:
                 s, n = self._ce(state.params, state.rest, jax.tree.map(lambda x_MBS: x_MBS[m], batch))
                 tot, cnt = tot + float(s), cnt + float(n)  # host sync: eval is off the step path
         return tot / max(cnt, 1.0)
+
+
+def merged_state(state, step_dirs, cfg):
+    """A view of `state` whose params and rest are the WSM merge of `step_dirs` (oldest first; weights from
+    cfg.merge_shape), read leaf by leaf on the host and placed in the live arrays' shardings; `state`
+    itself is untouched."""
+    weights = merge.decay_coefficients(cfg.merge_shape, len(step_dirs))
+    sources = [merge.Source(d, cfg) for d in step_dirs]
+    leaves = {tuple(map(str, p)): (p, leaf) for p, leaf in model_leaves(cfg).items()}
+
+    def one(tree):
+        pure = nnx.to_pure_dict(tree)
+        new = {}
+        for p, live in flat(pure).items():
+            path, leaf = leaves[tuple(map(str, p))]
+            new[p] = jax.device_put(merge.merged_leaf(sources, weights, path, leaf), live.sharding)
+        out = jax.tree.map(lambda x: x, tree)
+        nnx.replace_by_pure_dict(out, _unflat(new))
+        return out
+
+    return types.SimpleNamespace(params=one(state.params), rest=one(state.rest))
+
+
+def _unflat(items: dict) -> dict:
+    out = {}
+    for p, v in items.items():
+        d = out
+        for k in p[:-1]:
+            d = d.setdefault(k, {})
+        d[p[-1]] = v
+    return out

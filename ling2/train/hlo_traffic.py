@@ -9,8 +9,10 @@ all-gather out x (n-1)/n, reduce-scatter out x (n-1), all-reduce 2 x bytes x (n-
 bytes x (n-1)/n, collective-permute its buffer.
 
 HBM: every top-level instruction (a fusion is one) reads its operands and writes its result once; bitcasts,
-tuples, parameters, constants and control flow move nothing themselves. This is XLA's own cost model for
-bytes accessed, applied with loop trip counts (XLA's `cost_analysis` counts a loop body once).
+tuples, parameters, constants and control flow move nothing themselves; a dynamic slice reads its slice
+(a scanned layer's weights out of their stack) and a dynamic update writes its update in place. This is
+XLA's cost model for bytes accessed, applied with loop trip counts (XLA's `cost_analysis` counts a loop
+body once). It is an estimate: it ignores what on-chip memory saves between ops.
 
 Trip counts are XLA's `known_trip_count` where it states one, else read from the loop's condition
 `i < N` on a counter from 0 (what `lax.scan` and `fori_loop` lower to); a loop whose count cannot be
@@ -154,6 +156,40 @@ def wire_bytes(kind: str, buffer: float, n: int) -> float:
     return buffer  # collective-permute
 
 
+def _operands(i: Instr) -> list[str]:
+    return re.findall(r"%([\w.\-]+)", i.rest.split("), ")[0])
+
+
+def _fusion_bytes(body: list, operands: list, out: float) -> tuple[list, float]:
+    """A fusion's operand and output bytes as its kernel touches them: an operand only dynamically sliced
+    inside (a layer's weights out of a scanned stack) reads its slices; a fusion whose root updates a
+    slice in place writes that slice, and its buffer operand is not read."""
+    shapes = {i.name: i.shape for i in body}
+    params = {}
+    for i in body:
+        if i.op == "parameter":
+            m = re.match(r"\s*(\d+)\)", i.rest)
+            if m:
+                params[i.name] = int(m.group(1))
+    users = defaultdict(list)
+    for i in body:
+        for o in _operands(i):
+            users[o].append(i)
+    operands = list(operands)
+    for name, k in params.items():
+        us = users.get(name, [])
+        if k < len(operands) and us and all(u.op == "dynamic-slice" and _operands(u)[:1] == [name] for u in us):
+            operands[k] = sum(shape_bytes(u.shape) for u in us)
+    root = body[-1] if body else None
+    if root is not None and root.op == "dynamic-update-slice":
+        ops = _operands(root)
+        if len(ops) > 1:
+            out = shape_bytes(shapes.get(ops[1], ""))
+            if ops[0] in params and params[ops[0]] < len(operands):
+                operands[params[ops[0]]] = 0
+    return operands, out
+
+
 def traffic(text: str, mesh_shape: dict) -> dict:
     """{"collectives": {(kind, axes): {"count", "buffer_bytes", "wire_bytes"}}, "hbm_bytes", "unknown_loops"}
     per chip per execution of the program in `text`; `mesh_shape` {axis: size} in mesh order."""
@@ -202,8 +238,15 @@ def traffic(text: str, mesh_shape: dict) -> dict:
                 rec["wire_bytes"] += times * wire_bytes(base, buf, size)
             if fused or i.op in _NO_TRAFFIC or i.op.endswith("-done") or i.op.endswith("-update"):
                 continue
-            operands = re.findall(r"%([\w.\-]+)", i.rest.split("), ")[0])
-            totals["hbm_bytes"] += times * (shape_bytes(i.shape) + sum(shape_bytes(shapes.get(o, "")) for o in operands))
+            operands = [shape_bytes(shapes.get(o, "")) for o in _operands(i)]
+            out = shape_bytes(i.shape)
+            if i.op == "dynamic-slice":
+                operands[0] = out
+            elif i.op == "dynamic-update-slice":
+                operands[0], out = 0, operands[1]
+            elif i.op == "fusion":
+                operands, out = _fusion_bytes(comps.get(_attr(i.rest, "calls"), []), operands, out)
+            totals["hbm_bytes"] += times * (out + sum(operands))
 
     walk(entry, 1.0, False)
     return {"collectives": dict(coll), **totals}

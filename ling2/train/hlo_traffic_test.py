@@ -59,3 +59,16 @@ def test_group_forms():
     assert H.axes_of([0, 4], {"fsdp": 2, "context": 4}) == ("fsdp",)
     assert H.axes_of([0, 1, 2, 3], {"fsdp": 2, "context": 4}) == ("context",)
     assert H.shape_bytes("(bf16[2,3]{1,0}, f32[4])") == 2 * 6 + 16
+
+
+def test_scanned_weights_are_read_one_layer_per_trip():
+    """A scan over 16 stacked [128, 128] f32 layers: each trip reads its own layer (64 KiB), not the whole
+    1 MiB stack, so the weights add about 16 x 64 KiB, well under 16 x 1 MiB."""
+    w = jnp.ones((16, 128, 128), jnp.float32)
+    x = jnp.ones((8, 128), jnp.float32)
+
+    def f(w, x):
+        return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)[0]
+
+    hbm = H.traffic(compiled_text(f, w, x), {"d": 1})["hbm_bytes"]
+    assert 16 * 128 * 128 * 4 <= hbm < 4 * 16 * 128 * 128 * 4

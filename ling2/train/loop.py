@@ -27,7 +27,7 @@ from ling2.layers.model import count_params, training_flops_per_token
 from ling2.layers.moe_router import router_metrics
 from ling2.layers.sharding import use_mesh
 from ling2.train import step as step_lib
-from ling2.train.eval import Evaluator
+from ling2.train.eval import Evaluator, merged_state
 from ling2.train.metrics import MetricsWriter, progress_line
 from ling2.train import goodput as goodput_lib
 from ling2.train.profiler import StepProfiler
@@ -225,7 +225,7 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
     meta = {"global_batch": cfg.global_batch_size(mesh.size)}
 
     writer = MetricsWriter(run_dir, tensorboard=tensorboard, start_step=start)
-    evaluator = Evaluator(cfg, mesh, setup.graphdef, make_iter) if cfg.eval_interval else None
+    evaluator = Evaluator(cfg, mesh, setup.graphdef, make_iter) if cfg.eval_interval or cfg.merge_window else None
     flops_tok = training_flops_per_token(cfg)
     peak = peak_flops_per_device() * mesh.size
     losses, stopped, skips = {}, False, 0
@@ -282,7 +282,8 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
                 check(*unchecked)
             unchecked = step, metrics
             evaluating = bool(cfg.eval_interval) and step % cfg.eval_interval == 0
-            logging = step % cfg.log_period == 0 or step == cfg.steps or evaluating
+            merging = bool(cfg.merge_window) and step % (cfg.merge_every or cfg.eval_interval) == 0
+            logging = step % cfg.log_period == 0 or step == cfg.steps or evaluating or merging
             saving = ckpt is not None and ckpt.due(step)
             if not (logging or saving):
                 gp.add("step", time.perf_counter() - t1)
@@ -302,6 +303,15 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
                 if evaluating:
                     t2 = time.perf_counter()
                     m["eval_loss"] = evaluator.evaluate(state)  # host sync
+                    gp.add("eval", time.perf_counter() - t2)
+                if merging:
+                    t2 = time.perf_counter()
+                    ckpt.wait()
+                    window = sorted(s for s in ckpt.steps() if s <= step)[-cfg.merge_window:]
+                    if len(window) == cfg.merge_window:
+                        merged = merged_state(state, [ckpt.step_dir(s) for s in window], cfg)
+                        m["eval/merged_loss"] = evaluator.evaluate(merged)  # host sync
+                        m["eval/merged_from_step"] = window[0]
                     gp.add("eval", time.perf_counter() - t2)
                 t1 = time.perf_counter()
                 losses[step] = float(m["loss"])

@@ -1,4 +1,4 @@
-"""AdamW with warmup then cosine / WSD / constant decay, global-norm clipping and a weight-decay mask.
+"""AdamW with warmup then cosine / WSD / constant decay (wsm: constant, merged instead of decayed), global-norm clipping and a weight-decay mask.
 
 Decay is applied by parameter role (`ling2.layers.model.param_roles`), never by shape: weight
 matrices are decayed; norm scales and expert biases are not, stacked [n, D] under `scan_layers`

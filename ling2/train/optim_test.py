@@ -35,6 +35,16 @@ def test_wsd():
     np.testing.assert_allclose(float(f(100)), 0.0, atol=1e-7)
 
 
+def test_wsm_is_warmup_then_constant_past_the_end():
+    """wsm never decays (the merge of checkpoints stands in for the decay): the rate stays at its peak past
+    `steps`, so a run can be extended."""
+    cfg = load_config(steps=100, learning_rate=2.0, warmup_steps_fraction=0.1, final_lr_fraction=0.0,
+                      lr_schedule="wsm")
+    f = lr_schedule(cfg)
+    np.testing.assert_allclose(float(f(5)), 1.0, rtol=1e-6)
+    assert float(f(10)) == float(f(100)) == float(f(1000)) == 2.0
+
+
 def _mask_leaves(cfg) -> dict:
     """{path: bool} of the decay mask over the real model's trainable state."""
     _, params, _ = nnx.split(abstract_model(cfg), trainable_filter(cfg), ...)

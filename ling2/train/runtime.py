@@ -83,7 +83,20 @@ def make_mesh(cfg, devices=None) -> Mesh:
         arr = np.asarray(devices, dtype=object).reshape(ici)
     else:
         arr = hybrid_device_array([by_slice[k] for k in sorted(by_slice)], ici, dcn)
+    check_context_groups(arr)
     return Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def check_context_groups(devices: np.ndarray) -> None:
+    """ConfigError when one sequence's context shards (the devices along the context axis) live in several
+    processes: each process loads whole rows (`to_global`), so a row's shards must be on its devices."""
+    by_group = np.moveaxis(devices, MESH_AXES.index("context"), -1).reshape(-1, devices.shape[MESH_AXES.index("context")])
+    for group in by_group:
+        procs = {getattr(d, "process_index", 0) for d in group}
+        if len(procs) > 1:
+            raise ConfigError(f"ici_context_parallelism / dcn_context_parallelism: a sequence's {len(group)} context "
+                              f"shards would span processes {sorted(procs)}; each process loads whole rows, so "
+                              "keep the context axis within the devices of one host")
 
 
 def state_shardings(state, mesh: Mesh, rules):

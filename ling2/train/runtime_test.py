@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -95,3 +96,14 @@ def test_context_axis_splits_batch_positions_and_is_checked_once_filled():
     m = runtime.make_mesh(cfg)
     assert m.shape["context"] == 8
     assert runtime.batch_sharding(cfg, m, 2, 64).spec == P(None, None, "context")
+
+
+def test_context_group_across_processes_is_named():
+    class Dev:
+        def __init__(self, i, p):
+            self.id, self.process_index = i, p
+
+    arr = np.array([Dev(i, i // 2) for i in range(4)], dtype=object).reshape(1, 1, 1, 4, 1)
+    with pytest.raises(ValueError, match="context shards would span processes"):
+        runtime.check_context_groups(arr)
+    runtime.check_context_groups(arr.reshape(1, 2, 1, 2, 1))  # each pair on one process

@@ -34,7 +34,8 @@ MiB = 2**20
 
 
 def config(a, context):
-    return load_config(model_name=a.model, max_target_length=a.seq, per_device_batch_size=a.rows / context,
+    return load_config(model_name=a.model, max_target_length=a.seq, max_position_embeddings=a.seq,
+                       per_device_batch_size=a.rows / context,
                        ici_fsdp_parallelism=1, ici_context_parallelism=context, gla_chunk_size=64, kda_chunk_size=64,
                        remat_policy="full", scan_layers=True, dtype="float32", weight_dtype="float32")
 
