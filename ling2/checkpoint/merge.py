@@ -178,8 +178,9 @@ def main(argv) -> int:
     """//ling2/checkpoint:merge: see the module doc; exit 2 on bad input."""
     import sys
 
-    from absl import flags
+    from absl import flags, logging
 
+    logging.set_verbosity(logging.ERROR)  # orbax warns of each step's item-level metadata file it does not need
     F = flags.FLAGS
     try:
         dirs = (step_dirs_of(F.run_dir, [int(s) for s in F.steps.split(",") if s.strip()], F.last) if F.run_dir

@@ -31,7 +31,7 @@ from ling2.train.eval import Evaluator, merged_state
 from ling2.train.metrics import MetricsWriter, progress_line
 from ling2.train import goodput as goodput_lib
 from ling2.train.profiler import StepProfiler
-from ling2.train.runtime import batch_sharding, make_mesh, peak_flops_per_device, to_global
+from ling2.train.runtime import batch_sharding, check_context_groups, make_mesh, peak_flops_per_device, to_global
 from ling2.train.state import TrainSetup, TrainState, abstract_state, fields, init_state, load_parameters
 
 
@@ -189,6 +189,8 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
     """
     run_dir = Path(run_dir)
     mesh = make_mesh(cfg, devices)
+    if jax.process_count() > 1:
+        check_context_groups(mesh.devices)  # each process loads whole rows
     if dry_run_only:
         dry_run(cfg, mesh, log)
         return RunResult({}, 0, run_dir, run_dir / "checkpoints", run_dir / "metrics.jsonl", 0, False)

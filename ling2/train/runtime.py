@@ -83,7 +83,6 @@ def make_mesh(cfg, devices=None) -> Mesh:
         arr = np.asarray(devices, dtype=object).reshape(ici)
     else:
         arr = hybrid_device_array([by_slice[k] for k in sorted(by_slice)], ici, dcn)
-    check_context_groups(arr)
     return Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 

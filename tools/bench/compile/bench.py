@@ -61,22 +61,25 @@ PLANS = {
 }
 # Long context (issue 25): 32 sequences of 131,072 tokens (4M tokens per step) with each sequence split 4
 # ways over the context axis, YaRN as configs/train/ling2-128k.yml sets it; one 1,048,576-token sequence
-# split 128 ways. Splash attention (attention_kernel=flash) with the queries split (q_seq_shards).
+# split 128 ways. Splash attention (attention_kernel=flash) with the queries split (q_seq_shards); at 1M
+# tokens in blocks of 2048 (splash builds its block masks on the host, one Python step per block).
 _LONG = ["rope_type=yarn", "attention_kernel=flash", "remat_policy=full", "gradient_accumulation_steps=1"]
 _LING2_128K = ["max_target_length=131072", "max_position_embeddings=131072", "rope_factor=32",
                "original_max_position_embeddings=4096", *_LONG]
 PLANS.update({
     "ling2 128k v5p-256": ("v5p-256", 1, [*_LING2_128K, "per_device_batch_size=0.25", "ici_fsdp_parallelism=4",
                                           "ici_expert_parallelism=8", "ici_context_parallelism=4"]),
+    # ling3: two micro-batches of 16 sequences (16K tokens per chip each: the padded expert-parallel buffers
+    # scale with them), non-expert weights over fsdp, expert and context
     "ling3 128k v5p-256": ("v5p-256", 1, ["model_name=ling3", "max_target_length=131072", "attention_kernel=flash",
-                                          "remat_policy=full", "gradient_accumulation_steps=1",
-                                          "per_device_batch_size=0.25", "ici_fsdp_parallelism=4",
-                                          "ici_expert_parallelism=8", "ici_context_parallelism=4",
-                                          _EMBED_OVER_EXPERT, "mu_dtype=bfloat16"]),
+                                          "remat_policy=full", "gradient_accumulation_steps=2",
+                                          "per_device_batch_size=0.125", "ici_fsdp_parallelism=2",
+                                          "ici_expert_parallelism=8", "ici_context_parallelism=8",
+                                          _rules_with(embed=["fsdp", "expert", "context"]), "mu_dtype=bfloat16"]),
     "ling2 1m v5p-256": ("v5p-256", 1, ["max_target_length=1048576", "max_position_embeddings=1048576",
                                         "rope_factor=256", "original_max_position_embeddings=4096", *_LONG,
                                         "per_device_batch_size=0.0078125", "ici_fsdp_parallelism=1",
-                                        "ici_context_parallelism=128"]),
+                                        "ici_context_parallelism=128", "attention_block_size=2048"]),
 })
 BASELINE = {"v5p-64 full logits": "v5p-64"}
 
