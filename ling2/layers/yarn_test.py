@@ -57,3 +57,19 @@ def test_unknown_rope_type_is_an_error():
 
     with pytest.raises(ValueError, match="rope_type"):
         yarn.rope_inv_freq(Bad())
+
+
+def test_long_context_stage_stretches_the_slow_dims_only():
+    """configs/train/ling2-128k.yml (YaRN factor 32 over 4K): the fastest rotary frequency is the
+    pre-trained one, the slowest is divided by the factor (NTK-by-parts' two ends)."""
+    import dataclasses
+
+    from ling2.config import load_config
+    from ling2.config.paths import find_file
+    from ling2.config.specs import RopeSpec
+    from ling2.layers import yarn
+
+    spec = RopeSpec.of(load_config(config_file=find_file("configs/train/ling2-128k.yml")))
+    base = yarn.rope_inv_freq(dataclasses.replace(spec, rope_type="default"))
+    stretched = yarn.rope_inv_freq(spec)
+    assert stretched[0] == base[0] and abs(stretched[-1] * 32 / base[-1] - 1) < 1e-6
