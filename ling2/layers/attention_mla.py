@@ -92,6 +92,27 @@ def context_attention(q_BTHK, k_BSHK, v_BSHV, q_index_BT, q_segment_BT, kv_segme
     return jnp.concatenate(outs, axis=1)
 
 
+@functools.cache
+def causal_mask(T: int):
+    """splash's causal mask of [T, T] with a fast block summary: splash builds its block tables on the host by
+    asking the mask for every [q block, kv block] (T^2 values in all, hours at 1M tokens); blocks wholly
+    below or above the diagonal answer with one value here, only the blocks it crosses are computed. The
+    kernel itself computes causality from the mask's function either way."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    class CausalBlocks(sm.CausalMask):
+        def __getitem__(self, idx):
+            q, kv = idx
+            if isinstance(q, slice) and isinstance(kv, slice) and q.step in (None, 1) and kv.step in (None, 1):
+                if kv.start > q.stop - 1:
+                    return np.zeros((1, 1), bool)
+                if kv.stop - 1 <= q.start:
+                    return np.ones((1, 1), bool)
+            return super().__getitem__(idx)
+
+    return CausalBlocks((T, T))
+
+
 def splash_context_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, rules, *, interpret=None, block=512):
     """Splash attention with the queries split over the context axis and the keys whole on every device
     (inside `use_mesh`): one kernel for the whole [T, T] causal mask built with `q_seq_shards` = the context
@@ -110,7 +131,7 @@ def splash_context_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, rules, *
                          f"block {bq}, and the sequence ({T}) of {bkv}")
     sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
                           block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
-    mask = sm.MultiHeadMask([sm.CausalMask((T, T)) for _ in range(H)])
+    mask = sm.MultiHeadMask([causal_mask(T) for _ in range(H)])
     axis = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes  # noqa: E731
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis(heads), axis(seq)))
     BTHD, BSHD = ("activation_batch", "activation_length", "activation_heads", None), ("activation_batch", None,
@@ -190,7 +211,7 @@ def splash_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, *, interpret=Non
         raise ValueError(f"attention_kernel=flash: sequence length {T} must be a multiple of the block {b}")
     sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                           block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
-    mask = sm.MultiHeadMask([sm.CausalMask((T, T)) for _ in range(H)])
+    mask = sm.MultiHeadMask([causal_mask(T) for _ in range(H)])
 
     def attend(interp):
         kernel = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interp)

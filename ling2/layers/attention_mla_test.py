@@ -226,3 +226,18 @@ def test_param_shapes_and_logical_names():
         "kv_a_norm/weight": ((10,), ("norm",)), "kv_b": ((10, 2, 11), ("kv_lora", "heads", "kv")),
         "dense": ((2, 5, 32), ("heads", "kv", "embed")),
     }
+
+
+@pytest.mark.parametrize("q_seq_shards", [1, 4])
+def test_causal_block_summary_gives_splash_s_own_tables(q_seq_shards):
+    """attention_mla.causal_mask answers whole blocks with one value; splash's processed tables (forward and
+    dK/dV) are the same as from its own CausalMask (reference: splash's mask processing)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mi
+
+    for process in (mi.process_mask, mi.process_mask_dkv):
+        want = process(sm.MultiHeadMask([sm.CausalMask((1024, 1024))] * 2), (128, 128), q_seq_shards=q_seq_shards)
+        got = process(sm.MultiHeadMask([attention_mla.causal_mask(1024)] * 2), (128, 128), q_seq_shards=q_seq_shards)
+        for a, b in zip(jax.tree.leaves(want[0]), jax.tree.leaves(got[0])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert len(jax.tree.leaves(want[0])) == len(jax.tree.leaves(got[0])) > 0
