@@ -11,7 +11,7 @@ import jax
 from flax import nnx
 
 from ling2.checkpoint import merge
-from ling2.checkpoint.state import flat, model_leaves
+from ling2.checkpoint.state import flat, model_leaves, unflat
 from ling2.train.runtime import to_global
 
 
@@ -56,17 +56,8 @@ def merged_state(state, step_dirs, cfg):
             path, leaf = leaves[tuple(map(str, p))]
             new[p] = jax.device_put(merge.merged_leaf(sources, weights, path, leaf), live.sharding)
         out = jax.tree.map(lambda x: x, tree)
-        nnx.replace_by_pure_dict(out, _unflat(new))
+        nnx.replace_by_pure_dict(out, unflat(new))
         return out
 
     return types.SimpleNamespace(params=one(state.params), rest=one(state.rest))
 
-
-def _unflat(items: dict) -> dict:
-    out = {}
-    for p, v in items.items():
-        d = out
-        for k in p[:-1]:
-            d = d.setdefault(k, {})
-        d[p[-1]] = v
-    return out
