@@ -10,7 +10,7 @@ extra work and communication, not a speed-up. With --plans FILE..., the long-con
 (`tools/bench/compile`) collective bytes are tabulated per decoder layer.
 
   bazel run //tools/bench/cp:bench -- [--model ling2-micro] [--seq 4096] [--rows 2] [--repeats 3] [--out FILE]
-      [--plans tools/bench/compile/results_tpu_long.json]
+      [--plans tools/bench/compile/results_tpu_long.json]  (--contexts "": the plans' table alone)
 """
 
 import argparse
@@ -79,8 +79,7 @@ def plan_rows(paths):
         for plan in json.load(open(p))["plans"]:
             if "collectives" not in plan:
                 continue
-            cfg = load_config(model_name=plan["model_name"])
-            layers = len(layer_plan(cfg).all())
+            layers = len(layer_plan(load_config(model_name=plan["model_name"])).all())
             ctx = sum(c["wire_bytes"] for c in plan["collectives"] if c["axes"] == ["context"])
             out.append({"plan": plan["name"], "mesh": plan["mesh"], "seq_len": plan["seq_len"], "layers": layers,
                         "wire_gib_per_step": plan["collective_wire_bytes"] / 2**30,
@@ -103,16 +102,17 @@ def main():
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     rows, fns = [], []
-    for c in (int(x) for x in a.contexts.split(",")):
+    for c in (int(x) for x in a.contexts.split(",") if x.strip()):
         row, fn = case(a, c)
         rows.append(row)
         fns.append(fn)
-    for row, t in zip(rows, time_round_robin(fns, a.repeats)):
+    for row, t in zip(rows, time_round_robin(fns, a.repeats) if fns else []):
         row["step_s"] = t
-    base = rows[0]
-    print(f"{a.model}, {a.rows} x {a.seq} tokens per step, fsdp 1, XLA CPU devices (fake, sharing the host's cores)")
-    print(f"{'context':>7} {'args MiB':>9} {'temp MiB':>9} {'total MiB':>10} {'x ctx 1':>8} {'step s':>8} {'x ctx 1':>8}"
-          "  collectives per device per step (MiB on the wire)")
+    base = rows[0] if rows else None
+    if rows:
+        print(f"{a.model}, {a.rows} x {a.seq} tokens per step, fsdp 1, XLA CPU devices (fake, sharing the host's cores)")
+        print(f"{'context':>7} {'args MiB':>9} {'temp MiB':>9} {'total MiB':>10} {'x ctx 1':>8} {'step s':>8} "
+              f"{'x ctx 1':>8}  collectives per device per step (MiB on the wire)")
     for r in rows:
         coll = ", ".join(f"{k} {v:.1f}" for k, v in list(r["collectives"].items())[:4])
         print(f"{r['context']:>7} {r['argument_mib']:9.1f} {r['temp_mib']:9.1f} {r['total_mib']:10.1f} "
