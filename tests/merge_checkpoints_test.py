@@ -62,7 +62,7 @@ def run(tmp_path_factory):
     from ling2.train.train import find_file
 
     d = tmp_path_factory.mktemp("run")
-    cfg = load_config(dict(model_name="ling2-micro", per_device_batch_size=2, eval_interval=0, eval_steps=0,
+    cfg = load_config(dict(model_name="ling2-micro", max_target_length=32, per_device_batch_size=2, eval_interval=0, eval_steps=0,
                            data_split="98,2,0", log_period=1, steps=3, checkpoint_period=1, max_checkpoints_to_keep=5,
                            async_checkpointing=False), config_file=find_file("configs/train/tiny_sample.yml"))
     loop.run(cfg, d, make_iterator_factory(find_file), tensorboard=False, log=lambda s: None)
@@ -122,7 +122,7 @@ def test_training_logs_the_merged_eval_loss_and_trains_as_without(tmp_path):
     from ling2.train.runtime import make_mesh
     from ling2.train.train import find_file
 
-    base = dict(model_name="ling2-micro", per_device_batch_size=2, eval_interval=0, eval_steps=1,
+    base = dict(model_name="ling2-micro", max_target_length=32, per_device_batch_size=2, eval_interval=0, eval_steps=1,
                 data_split="90,10,0", log_period=1, steps=4, checkpoint_period=1, max_checkpoints_to_keep=5,
                 lr_schedule="wsm")
     runs = {}

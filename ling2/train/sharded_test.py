@@ -8,7 +8,7 @@ from ling2.train import loop
 from ling2.train.data import make_iterator_factory
 from ling2.train.train import find_file
 
-MICRO = dict(model_name="ling2-micro", eval_interval=0, eval_steps=0, data_split="98,2,0", log_period=1, steps=4,
+MICRO = dict(model_name="ling2-micro", max_target_length=32, eval_interval=0, eval_steps=0, data_split="98,2,0", log_period=1, steps=4,
              enable_checkpointing=False, warmup_steps_fraction=0.0)
 
 

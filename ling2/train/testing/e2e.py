@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ling2.train.metrics import read_metrics
 
-MICRO = ["model_name=ling2-micro", "per_device_batch_size=2", "eval_interval=0", "eval_steps=0", "data_split=98,2,0",
-         "log_period=1", "warmup_steps_fraction=0"]
+MICRO = ["model_name=ling2-micro", "max_target_length=32", "per_device_batch_size=2", "eval_interval=0",
+         "eval_steps=0", "data_split=98,2,0", "log_period=1", "warmup_steps_fraction=0"]
 
 
 def binary():
