@@ -55,6 +55,15 @@ class Model(_Group):
         "are never held and the backward recomputes each block (4/3 of the head's matmul FLOPs); 0: full logits.")
     dtype: T.DType = _f("Activation/compute dtype.")
     weight_dtype: T.DType = _f("Parameter dtype.")
+    quantization: T.Quantization = _f(
+        "'' (matmuls in dtype) or 'fp8' (MaxText's key): the dense projections and the routed experts' GEMMs take "
+        "e4m3 operands (gradients e5m2 or e4m3, see fp8_scaling); master weights, optimizer, router, norms, "
+        "embeddings, attention scores and the loss keep their dtypes. Real FP8 GEMMs on Hopper GPUs; an "
+        "emulation with the same rounding on CPU and TPU (no FP8 matmul units before TPU7x).")
+    fp8_scaling: T.Fp8Scaling = _f(
+        "With quantization=fp8: 'tensor' (one fp32 scale per operand from its current amax; e5m2 gradients; "
+        "XLA:GPU runs FP8 GEMMs) or 'block' (1x128 activation tiles, 128x128 weight blocks, e4m3 gradients in "
+        "1x128 tiles, as DeepSeek-V3 / Ling 2.0; emulated on every platform).")
     init_std: float = _f("Normal init std of every weight (HF initializer_range).", gt=0)
     inhomogeneous_layer_cycle_interval: int = _f(
         "Layer i is MLA when (i+1) % interval == 0; the others are linear attention (linear_attention_type). "
@@ -433,7 +442,7 @@ RESUME_FIELDS: dict[str, str] = {
     "gla_backend": RESUME_FREE, "gla_chunk_size": RESUME_FREE, "moe_gmm_backend": RESUME_FREE,
     "grain_worker_count": RESUME_FREE, "blend_cache_dir": RESUME_FREE,
     # training hyperparameters outside the optimizer group
-    "dtype": RESUME_WARN, "float32_logits": RESUME_WARN, "load_balance_loss_weight": RESUME_WARN,
+    "dtype": RESUME_WARN, "quantization": RESUME_WARN, "fp8_scaling": RESUME_WARN, "float32_logits": RESUME_WARN, "load_balance_loss_weight": RESUME_WARN,
     "moe_z_loss_weight": RESUME_WARN, "routed_bias_update_rate": RESUME_WARN, "mtp_loss_scaling_factor": RESUME_WARN,
     "tokenizer_path": RESUME_WARN,
     # the batch shape of a step

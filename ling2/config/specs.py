@@ -36,6 +36,8 @@ class WeightsSpec(Spec):
     emb_dim: int
     dtype: str
     weight_dtype: str
+    quantization: str
+    fp8_scaling: str
     init_std: float
     normalization_layer_epsilon: float
     logical_axis_rules: tuple

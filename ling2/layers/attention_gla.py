@@ -21,7 +21,7 @@ from flax import nnx, struct
 
 from ling2.config.specs import GLASpec
 from ling2.kernels import gla
-from ling2.layers import norms, rope, sharding, yarn
+from ling2.layers import fp8, norms, rope, sharding, yarn
 from ling2.layers.decode import take_rows, where_rows
 
 BTHD = ("activation_batch", "activation_length", "activation_heads", None)
@@ -106,6 +106,7 @@ class GatedLinearAttention(nnx.Module):
         self.log_decays = tuple(tuple(float(-s) for s in layer_slopes(H, i, L, spec.gla_slope_layer_offset))
                                 for i in range(L))  # g_h = -slope_h of every layer index: constants
         self.dtype, self.chunk_size, self.backend = spec.dtype, spec.gla_chunk_size, spec.gla_backend
+        self.fp8 = fp8.of(spec)
         self.rules = sharding.rules_dict(spec.logical_axis_rules)
 
     def _w(self, p):
@@ -143,7 +144,7 @@ class GatedLinearAttention(nnx.Module):
     def _qkv(self, x_BTE, positions_BT):
         """(x in the compute dtype, q, k, v [B,T,H,D] with qk-norm and RoPE)."""
         x = x_BTE.astype(jnp.dtype(self.dtype))
-        qkv = jnp.einsum("bte,eshd->btshd", x, self._w(self.qkv))
+        qkv = fp8.einsum("bte,eshd->btshd", x, self._w(self.qkv), self.fp8)
         if self.use_silu:
             qkv = jax.nn.silu(qkv)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, T, H, D]
@@ -159,9 +160,9 @@ class GatedLinearAttention(nnx.Module):
         B, T = o_BTHD.shape[:2]
         o = sharding.constrain(o_BTHD, BTHD)
         o = self.g_norm(o.reshape(B, T, self.H * self.D)).reshape(B, T, self.H, self.D)
-        gate = jax.nn.sigmoid(jnp.einsum("bte,ehd->bthd", x, self._w(self.g_proj)).astype(jnp.float32))
+        gate = jax.nn.sigmoid(fp8.einsum("bte,ehd->bthd", x, self._w(self.g_proj), self.fp8).astype(jnp.float32))
         o = (o.astype(jnp.float32) * gate).astype(x.dtype)
-        out = jnp.einsum("bthd,hde->bte", o, self._w(self.dense))
+        out = fp8.einsum("bthd,hde->bte", o, self._w(self.dense), self.fp8)
         return sharding.constrain(out, ("activation_batch", "activation_length", "activation_embed"))
 
     def decay(self, layer_index):

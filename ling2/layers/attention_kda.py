@@ -24,7 +24,7 @@ from flax import nnx, struct
 
 from ling2.config.specs import KDASpec
 from ling2.kernels import kda
-from ling2.layers import norms, sharding
+from ling2.layers import fp8, norms, sharding
 from ling2.layers.decode import take_rows, where_rows
 
 L2_EPS = 1e-6  # the reference's q/k L2-norm eps, whatever rms_norm_eps is
@@ -133,6 +133,7 @@ class KimiDeltaAttention(nnx.Module):
         self.dense = param((H, D, E), ("heads", "kv", "embed"))
         self.safe_gate, self.lower_bound = spec.kda_safe_gate, float(spec.kda_lower_bound)
         self.dtype, self.chunk_size, self.backend = spec.dtype, spec.kda_chunk_size, spec.kda_backend
+        self.fp8 = fp8.of(spec)
         self.rules = sharding.rules_dict(spec.logical_axis_rules)
 
     def _w(self, p):
@@ -184,7 +185,7 @@ class KimiDeltaAttention(nnx.Module):
         """(x in the compute dtype, the pre-conv [q | k | v] rows [B,T,3HD], the conv taps [K, 3HD])."""
         B, T, _ = x_BTE.shape
         x = x_BTE.astype(jnp.dtype(self.dtype))
-        qkv = jnp.stack([jnp.einsum("bte,ehd->bthd", x, self._w(p)) for p in (self.q_proj, self.k_proj, self.v_proj)],
+        qkv = jnp.stack([fp8.einsum("bte,ehd->bthd", x, self._w(p), self.fp8) for p in (self.q_proj, self.k_proj, self.v_proj)],
                         axis=2)  # [B, T, 3, H, D]
         return x, qkv.reshape(B, T, 3 * self.H * self.D), self._conv_weight().reshape(self.K, -1)
 
@@ -201,9 +202,9 @@ class KimiDeltaAttention(nnx.Module):
     def _out(self, x, o_BTHD):
         """Output norm, gate and dense projection: [B,T,E]."""
         o = sharding.constrain(o_BTHD, ("activation_batch", "activation_length", "activation_heads", None))
-        gate = jax.nn.sigmoid(jnp.einsum("bte,ehd->bthd", x, self._w(self.g_proj)).astype(jnp.float32))
+        gate = jax.nn.sigmoid(fp8.einsum("bte,ehd->bthd", x, self._w(self.g_proj), self.fp8).astype(jnp.float32))
         o = (self.o_norm(o.astype(jnp.float32)) * gate).astype(x.dtype)
-        out = jnp.einsum("bthd,hde->bte", o, self._w(self.dense))
+        out = fp8.einsum("bthd,hde->bte", o, self._w(self.dense), self.fp8)
         return sharding.constrain(out, ("activation_batch", "activation_length", "activation_embed"))
 
     def __call__(self, x_BTE, positions_BT=None, segment_ids_BT=None, *, layer_index=None):

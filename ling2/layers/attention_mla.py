@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx, struct
 
 from ling2.config.specs import MLASpec
-from ling2.layers import norms, rope, sharding, yarn
+from ling2.layers import fp8, norms, rope, sharding, yarn
 from ling2.layers.decode import attention_mask as decode_mask
 from ling2.layers.decode import move_slots, overflow_to_nan, write_rows
 from ling2.layers.sharding import constrain
@@ -287,6 +287,7 @@ class MLA(nnx.Module):
             self.g_proj = param((E, H), ("embed", "heads"))
         self.output_gate = spec.mla_output_gate
         self.dtype, self.kernel, self.interleaved = spec.dtype, spec.attention_kernel, spec.mla_interleaved_rope
+        self.fp8 = fp8.of(spec)
         self.block = spec.attention_block_size
         self.inv_freq = tuple(float(f) for f in yarn.rope_inv_freq(spec))
         self.rope_scaling = yarn.rope_attention_scaling(spec)
@@ -301,12 +302,12 @@ class MLA(nnx.Module):
         [B,T,rope]): everything attention needs from the new tokens; the latents are what a cache keeps."""
         x = x_BTE.astype(jnp.dtype(self.dtype))
         if self.Rq:
-            q_a = self.q_a_norm(jnp.einsum("bte,er->btr", x, self._w(self.q_a)))
-            q_BTHK = jnp.einsum("btr,rhk->bthk", q_a, self._w(self.q_b))
+            q_a = self.q_a_norm(fp8.einsum("bte,er->btr", x, self._w(self.q_a), self.fp8))
+            q_BTHK = fp8.einsum("btr,rhk->bthk", q_a, self._w(self.q_b), self.fp8)
         else:
-            q_BTHK = jnp.einsum("bte,ehk->bthk", x, self._w(self.q))
+            q_BTHK = fp8.einsum("bte,ehk->bthk", x, self._w(self.q), self.fp8)
         q_BTHK = constrain(q_BTHK, ("activation_batch", "activation_length", "activation_heads", None))
-        kv_a = jnp.einsum("bte,er->btr", x, self._w(self.kv_a))
+        kv_a = fp8.einsum("bte,er->btr", x, self._w(self.kv_a), self.fp8)
         c_kv = self.kv_a_norm(kv_a[..., :self.Rkv])
         q_rope, k_rope = q_BTHK[..., self.Dn:], kv_a[..., None, self.Rkv:]
         if self.interleaved:
@@ -318,7 +319,7 @@ class MLA(nnx.Module):
     def expand(self, c_kv_BSC, k_rope_BSR, length="activation_length"):
         """Per-head K [B,S,H,nope+rope] and V [B,S,H,v] from latents (kv_b up-projection); `length`: the
         logical name their S dim is sharded by (None: whole on every device)."""
-        kv = jnp.einsum("bsr,rhk->bshk", c_kv_BSC, self._w(self.kv_b))
+        kv = fp8.einsum("bsr,rhk->bshk", c_kv_BSC, self._w(self.kv_b), self.fp8)
         k_nope, v_BSHV = kv[..., :self.Dn], kv[..., self.Dn:]
         k_BSHK = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope_BSR[:, :, None], (*k_nope.shape[:3], self.Dr))],
                                  axis=-1)
@@ -367,7 +368,7 @@ class MLA(nnx.Module):
             x = x_BTE.astype(jnp.dtype(self.dtype))
             gate = jax.nn.sigmoid(jnp.einsum("bte,eh->bth", x, self._w(self.g_proj)).astype(jnp.float32))
             o_BTHV = (o_BTHV.astype(jnp.float32) * gate[..., None]).astype(o_BTHV.dtype)
-        out = jnp.einsum("bthv,hve->bte", o_BTHV, self._w(self.dense))
+        out = fp8.einsum("bthv,hve->bte", o_BTHV, self._w(self.dense), self.fp8)
         return constrain(out, ("activation_batch", "activation_length", "activation_embed"))
 
     def __call__(self, x_BTE, positions_BT, segment_ids_BT=None, *, layer_index=None):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from ling2.config.specs import MoESpec, RouterSpec
-from ling2.layers import moe_ep, moe_experts, moe_gmm, moe_router
+from ling2.layers import fp8, moe_ep, moe_experts, moe_gmm, moe_router
 from ling2.layers.moe_experts import Mlp
 from ling2.layers.moe_router import router_metrics, update_routed_bias
 
@@ -128,24 +128,24 @@ class MoE(nnx.Module):
             lb_loss = spec.load_balance_loss_weight * moe_router.load_balance_loss(r.scores_TE, counts_E, valid_T)
 
         w = self.experts.weights(dtype)
-        gmm = self.gmm
+        gmm, q = self.gmm, fp8.of(spec)
         experts_BSK, weights_BSK = r.experts_TK.reshape(B, S, K), r.weights_TK.reshape(B, S, K)
         mesh = jax.sharding.get_abstract_mesh()
         mesh_shape = {} if mesh.empty else dict(mesh.shape)
         path = dispatch_path(sparse_matmul=spec.sparse_matmul, gmm=gmm, mesh_shape=mesh_shape, tokens=T, k=K,
                              num_experts=E)
         if path == "dense_capacity":
-            y_BSD, kept_BSK = moe_experts.dense_capacity(x_BSD, experts_BSK, weights_BSK, w, spec.capacity_factor)
+            y_BSD, kept_BSK = moe_experts.dense_capacity(x_BSD, experts_BSK, weights_BSK, w, spec.capacity_factor, q)
             dropped_BSK = ~kept_BSK if valid_BS is None else ~kept_BSK & valid_BS.astype(bool)[..., None]
             stats["dropped"] = dropped_BSK.astype(F32).sum()
         elif path in ("expert_parallel", "per_device"):
             y_BSD = moe_ep.dropless_ep(x_BSD, experts_BSK, weights_BSK, w, mesh=mesh, rules=spec.logical_axis_rules,
-                                       gmm=gmm)
+                                       gmm=gmm, q=q)
         elif path == "gathered":
             y_BSD = moe_experts.gathered(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w).reshape(B, S, D)
         else:
             y_BSD = moe_experts.dropless(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w, gmm,
-                                         partitioned=bool(mesh_shape) and mesh.size > 1).reshape(B, S, D)
+                                         partitioned=bool(mesh_shape) and mesh.size > 1, q=q).reshape(B, S, D)
         if self.shared_experts is not None:
             y_BSD = y_BSD + self.shared_experts(x_BSD)
         return y_BSD, MoEAux(lb_loss=lb_loss, z_loss=z_loss, counts=counts_E, stats=stats)

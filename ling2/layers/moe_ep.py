@@ -40,7 +40,7 @@ def batch_axes(mesh, rules, batch: int) -> tuple[str, ...]:
     return tuple(axes)
 
 
-def _local(x_TD, experts_TK, weights_TK, w, *, n: int, gmm: str):
+def _local(x_TD, experts_TK, weights_TK, w, *, n: int, gmm: str, q=None):
     """Per-device body. w are this shard's experts [E/n, ...]."""
     T, K = experts_TK.shape
     M, e_loc = T * K, w[0].shape[0]
@@ -63,7 +63,7 @@ def _local(x_TD, experts_TK, weights_TK, w, *, n: int, gmm: str):
     # Local grouped matmul over what arrived; padding rows (id e_loc) sort last and stay zero.
     lorder = jnp.argsort(rids, stable=True)
     lgs = jnp.bincount(rids, length=e_loc + 1)[:e_loc].astype(jnp.int32)
-    y_sorted = grouped_ffn(recv_nMD.reshape(n * M, -1)[lorder], lgs, w, gmm)
+    y_sorted = grouped_ffn(recv_nMD.reshape(n * M, -1)[lorder], lgs, w, gmm, q=q)
     y_nMD = y_sorted[jnp.argsort(lorder)].reshape(n, M, -1)
 
     back_nMD = jax.lax.all_to_all(y_nMD, "expert", 0, 0, tiled=False)
@@ -74,8 +74,9 @@ def _local(x_TD, experts_TK, weights_TK, w, *, n: int, gmm: str):
     return X.combine(y_TKD, weights_TK, x_TD.dtype)
 
 
-def dropless_ep(x_BSD, experts_BSK, weights_BSK, w, *, mesh, rules, gmm: str):
-    """Routed output [B, S, D]; equals `moe_experts.dropless` on one device (same sums per token)."""
+def dropless_ep(x_BSD, experts_BSK, weights_BSK, w, *, mesh, rules, gmm: str, q=None):
+    """Routed output [B, S, D]; equals `moe_experts.dropless` on one device (same sums per token). `q`: FP8
+    GEMMs (ling2.layers.fp8)."""
     n = expert_axis_size(mesh)
     E = w[0].shape[0]
     if E % n:
@@ -87,7 +88,7 @@ def dropless_ep(x_BSD, experts_BSK, weights_BSK, w, *, mesh, rules, gmm: str):
 
     def body(x, e, g, wg, wu, wd):
         b, s, _ = x.shape
-        y = _local(x.reshape(b * s, -1), e.reshape(b * s, -1), g.reshape(b * s, -1), (wg, wu, wd), n=n, gmm=gmm)
+        y = _local(x.reshape(b * s, -1), e.reshape(b * s, -1), g.reshape(b * s, -1), (wg, wu, wd), n=n, gmm=gmm, q=q)
         return y.reshape(x.shape)
 
     # Rows and positions split as activations (a context axis splits positions); _local needs exactly the

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling2.config.specs import MoESpec, WeightsSpec
+from ling2.layers import fp8
 from ling2.layers.moe_gmm import gather_rows, grouped_ffn
 
 F32 = jnp.float32
@@ -26,15 +27,20 @@ def _param(rngs, spec: WeightsSpec, shape, names):
     return nnx.Param(init(rngs.params(), shape, jnp.dtype(spec.weight_dtype)), out_sharding=names, eager_sharding=False)
 
 
-def swiglu(x, wg, wu, wd):
-    return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+def swiglu(x, wg, wu, wd, q: fp8.Fp8 | None = None):
+    """SwiGLU over the last axis of x; FP8 GEMMs with `q`."""
+    if q is None:
+        return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+    x_MD = x.reshape(-1, x.shape[-1])
+    mm = lambda a, w: fp8.einsum("md,df->mf", a, w, q)
+    return mm(jax.nn.silu(mm(x_MD, wg)) * mm(x_MD, wu), wd).reshape(*x.shape[:-1], -1)
 
 
 class Mlp(nnx.Module):
     """Dense SwiGLU MLP, D -> width -> D (HF gate_proj/up_proj/down_proj, kernels stored [in, out])."""
 
     def __init__(self, spec: WeightsSpec, width: int, *, rngs: nnx.Rngs):
-        self.dtype = jnp.dtype(spec.dtype)
+        self.dtype, self.fp8 = jnp.dtype(spec.dtype), fp8.of(spec)
         self.gate_proj = _param(rngs, spec, (spec.emb_dim, width), ("embed", "mlp"))
         self.up_proj = _param(rngs, spec, (spec.emb_dim, width), ("embed", "mlp"))
         self.down_proj = _param(rngs, spec, (width, spec.emb_dim), ("mlp", "embed"))
@@ -42,7 +48,7 @@ class Mlp(nnx.Module):
     def __call__(self, x_xD):
         dt = self.dtype
         return swiglu(x_xD.astype(dt), self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt),
-                      self.down_proj[...].astype(dt))
+                      self.down_proj[...].astype(dt), self.fp8)
 
 
 class RoutedExperts(nnx.Module):
@@ -70,14 +76,14 @@ def combine(y_TKD, weights_TK, dtype):
     return jnp.einsum("tkd,tk->td", y_TKD.astype(F32), weights_TK.astype(F32)).astype(dtype)
 
 
-def dropless(x_TD, experts_TK, weights_TK, w, gmm: str, *, partitioned: bool = False):
+def dropless(x_TD, experts_TK, weights_TK, w, gmm: str, *, partitioned: bool = False, q: fp8.Fp8 | None = None):
     """Routed output [T, D]: every assignment is computed (sort, grouped matmul, unsort).
-    `partitioned`: see `moe_gmm.grouped_ffn`."""
+    `partitioned`, `q`: see `moe_gmm.grouped_ffn`."""
     T, K = experts_TK.shape
     order_M, gs_E = sort_by_expert(experts_TK, w[0].shape[0])
     inv_M = jnp.argsort(order_M)  # assignment t*K+k -> its sorted position
     x_MD = gather_rows(x_TD, order_M // K, inv_M, K)
-    y_MD = grouped_ffn(x_MD, gs_E, w, gmm, partitioned=partitioned)
+    y_MD = grouped_ffn(x_MD, gs_E, w, gmm, partitioned=partitioned, q=q)
     y_TKD = gather_rows(y_MD, inv_M, order_M, 1).reshape(T, K, -1)
     return combine(y_TKD, weights_TK, x_TD.dtype)
 
@@ -113,16 +119,17 @@ def dispatch_mask(experts_BSK, num_experts: int, cap: int):
     return dispatch_BSEC, kept_BSK
 
 
-def dense_capacity(x_BSD, experts_BSK, weights_BSK, w, capacity_factor: float):
-    """Routed output [B, S, D] by one-hot einsums with C slots per expert; returns (y, kept_BSK)."""
+def dense_capacity(x_BSD, experts_BSK, weights_BSK, w, capacity_factor: float, q: fp8.Fp8 | None = None):
+    """Routed output [B, S, D] by one-hot einsums with C slots per expert; returns (y, kept_BSK). `q`: the
+    experts' GEMMs in FP8 (the one-hot dispatch and combine stay exact)."""
     B, S, K = experts_BSK.shape
     E = w[0].shape[0]
     dispatch_BSEC, kept_BSK = dispatch_mask(experts_BSK, E, capacity(S, K, E, capacity_factor))
     w_BSE = jnp.einsum("bske,bsk->bse", jax.nn.one_hot(experts_BSK, E, dtype=F32), weights_BSK.astype(F32))
     x_BECD = jnp.einsum("bsec,bsd->becd", dispatch_BSEC.astype(x_BSD.dtype), x_BSD)
     wg, wu, wd = w
-    h = jax.nn.silu(jnp.einsum("becd,edf->becf", x_BECD, wg)) * jnp.einsum("becd,edf->becf", x_BECD, wu)
-    y_BECD = jnp.einsum("becf,efd->becd", h, wd)
+    h = jax.nn.silu(fp8.einsum("becd,edf->becf", x_BECD, wg, q)) * fp8.einsum("becd,edf->becf", x_BECD, wu, q)
+    y_BECD = fp8.einsum("becf,efd->becd", h, wd, q)
     combine_BSEC = dispatch_BSEC.astype(F32) * w_BSE[..., None]
     y_BSD = jnp.einsum("bsec,becd->bsd", combine_BSEC, y_BECD.astype(F32))
     return y_BSD.astype(x_BSD.dtype), kept_BSK

@@ -19,6 +19,9 @@ dim, F expert width.
   no multiple of 128, as in test models, or where XLA partitions the call), blocked on CUDA GPUs,
   ragged_dot elsewhere, decided for the platform the computation is lowered for (`jax.lax.platform_dependent`),
   not the host's: a CPU host compiling for TPU builds what a TPU host would.
+With quantization=fp8 (`q`, ling2.layers.fp8) every grouped matmul is an FP8 product: "blocked" (its batched
+matmuls quantized per step) on CPU and CUDA GPUs, ragged_dot elsewhere; "tiled" and "megablox" keep their
+fused bf16/fp32 kernels and so give way to those two.
 """
 
 import math
@@ -27,16 +30,18 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from ling2.layers import fp8
+
 F32 = jnp.float32
 
 
 GMMS = ("auto", "ragged_dot", "tiled", "blocked", "megablox")
 
 
-def ffn_ragged_dot(x_MD, group_sizes_E, wg, wu, wd):
+def ffn_ragged_dot(x_MD, group_sizes_E, wg, wu, wd, q: fp8.Fp8 | None = None):
     """Grouped SwiGLU on rows sorted by expert; rows past sum(group_sizes) give zeros."""
-    h = jax.nn.silu(jax.lax.ragged_dot(x_MD, wg, group_sizes_E)) * jax.lax.ragged_dot(x_MD, wu, group_sizes_E)
-    return jax.lax.ragged_dot(h, wd, group_sizes_E)
+    mm = lambda a, w: fp8.ragged_dot(a, w, group_sizes_E, q)
+    return mm(jax.nn.silu(mm(x_MD, wg)) * mm(x_MD, wu), wd)
 
 
 def _tiles(gs_E, tile: int, M: int):
@@ -156,7 +161,8 @@ def ffn_tiled(x_MD, group_sizes_E, wg, wu, wd, tile: int = 128):
     return y.astype(x_MD.dtype)
 
 
-def ffn_blocked(x_MD, group_sizes_E, wg, wu, wd, block: int = 128, step_bytes: int = 256 << 20):
+def ffn_blocked(x_MD, group_sizes_E, wg, wu, wd, block: int = 128, step_bytes: int = 256 << 20,
+                q: fp8.Fp8 | None = None):
     """Same contract as `ffn_ragged_dot`, as batched matmuls: each expert's rows are padded to a multiple
     of `block`, so every block of rows belongs to one expert, and each block is one [block, D] x [D, 2F]
     and one [block, F] x [F, D] matmul against its expert's weights, gathered per block (cuBLAS batched
@@ -183,8 +189,8 @@ def ffn_blocked(x_MD, group_sizes_E, wg, wu, wd, block: int = 128, step_bytes: i
 
     @jax.checkpoint
     def step(x_GbD, e_G):
-        g_GbF, u_GbF = jnp.split(jnp.einsum("nbd,ndf->nbf", x_GbD, wgu[e_G]), [F], axis=-1)
-        return jnp.einsum("nbf,nfd->nbd", jax.nn.silu(g_GbF) * u_GbF, wd[e_G])
+        g_GbF, u_GbF = jnp.split(fp8.einsum("nbd,ndf->nbf", x_GbD, wgu[e_G], q), [F], axis=-1)
+        return fp8.einsum("nbf,nfd->nbd", jax.nn.silu(g_GbF) * u_GbF, wd[e_G], q)
 
     if G == N:
         y_NbD = step(x_NbD, e_N)
@@ -225,10 +231,19 @@ def ffn_megablox(x_MD, group_sizes_E, wg, wu, wd, *, interpret: bool = False):
     return mm(jax.nn.silu(g) * u, wd.astype(x_MD.dtype))[:M]
 
 
-def grouped_ffn(x_MD, group_sizes_E, w, gmm: str = "auto", *, partitioned: bool = False):
+def grouped_ffn(x_MD, group_sizes_E, w, gmm: str = "auto", *, partitioned: bool = False, q: fp8.Fp8 | None = None):
     """Grouped SwiGLU of rows sorted by expert with weights w = (wg, wu, wd) by backend `gmm` (GMMS).
     `partitioned`: XLA partitions this call (moe.dispatch_path's "partitioned"), so "auto" takes no Pallas
-    kernel."""
+    kernel. `q`: FP8 GEMMs (the module doc)."""
+    if gmm not in GMMS:
+        raise ValueError(f"gmm: unknown grouped matmul {gmm!r} (one of {GMMS})")
+    if q is not None:
+        blocked, ragged = partial(ffn_blocked, q=q), partial(ffn_ragged_dot, q=q)
+        if gmm == "ragged_dot":
+            return ragged(x_MD, group_sizes_E, *w)
+        if gmm in ("blocked", "tiled"):
+            return blocked(x_MD, group_sizes_E, *w)
+        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=blocked, cuda=blocked, default=ragged)
     if gmm == "auto":
         mosaic = not partitioned and megablox_tile(x_MD.shape[1], w[2].shape[1])
         tpu = ffn_megablox if mosaic else ffn_ragged_dot

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling2.layers import decode as decode_lib
-from ling2.layers import losses, norms
+from ling2.layers import fp8, losses, norms
 from ling2.layers.decoder import DecoderLayer, DecoderOutput, LayerSpecs, remat
 from ling2.layers.plan import LayerSpec, layer_plan
 
@@ -99,12 +99,12 @@ class MTPDepth(nnx.Module):
         self.layer = DecoderLayer(specs, layer, rngs=rngs)
         self.index = layer.index
         self.final_norm = norms.RMSNorm(E, eps=eps, param_dtype=wdt)
-        self.dtype = w.dtype
+        self.dtype, self.fp8 = w.dtype, fp8.of(w)
 
     def _input(self, emb_BTE, h_BTE):
         x = jnp.concatenate([self.enorm(emb_BTE), self.hnorm(h_BTE.astype(emb_BTE.dtype))], axis=-1)
         w = self.eh_proj[...].astype(jnp.dtype(self.dtype))
-        return jnp.einsum("btf,fe->bte", x.astype(w.dtype), w)
+        return fp8.einsum("btf,fe->bte", x.astype(w.dtype), w, self.fp8)
 
     def __call__(self, emb_BTE, h_BTE, positions_BT, segment_ids_BT, valid_BT):
         """Training forward: (block output before the final norm, after it, MoEAux), all [B,T,E] but the aux."""

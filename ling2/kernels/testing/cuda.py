@@ -1,6 +1,8 @@
 """Abstract arguments on a described H100 (`topology.devices("h100-1")`, no GPU attached) for the
 *_cuda_compile_tests, and the custom-call names their compiled executables are searched for."""
 
+import re
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -15,3 +17,23 @@ def h100_arg(shape, dtype):
     """A jax.ShapeDtypeStruct replicated on one described H100."""
     mesh = Mesh(np.array(topology.devices("h100-1")), ("d",))
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[")
+_DOT = re.compile(r" dot\(%([\w.\-]+), %([\w.\-]+)\)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def dot_operand_types(hlo_text: str) -> list[tuple[str, str, str]]:
+    """(lhs element type, rhs element type, op_name) of every dot in an optimized HLO module, fusion bodies
+    included: what XLA:GPU hands its GEMM emitters (an FP8 GEMM takes f8e4m3fn / f8e5m2 operands)."""
+    types, dots = {}, []
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            types[m.group(1)] = m.group(2)
+        d = _DOT.search(line)
+        if d:
+            name = _OP_NAME.search(line)
+            dots.append((d.group(1), d.group(2), name.group(1) if name else ""))
+    return [(types.get(a, "?"), types.get(b, "?"), n) for a, b, n in dots]
