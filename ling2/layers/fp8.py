@@ -18,7 +18,8 @@ master weights, the optimizer and everything outside the GEMMs untouched. Two sc
 TPU v5p / v6e and CPUs have no FP8 matmul units: there both modes are emulations with the same rounding
 (the compiler upcasts the f8 operands), which is what the CPU numerics runs measure
 (tools/bench/fp8/NOTES.md). XLA:GPU drops a bf16 -> f8 -> bf16 round trip as "excess precision", which
-would silently skip the rounding; the quantisation therefore divides in fp32 (tested in `fp8_test`).
+would silently skip the rounding: every rounding sits behind an optimization barrier (tested in `fp8_test`,
+on CPU and on a GPU). The fp32 products of the block mode run at full fp32 precision (not TF32).
 
 Shapes: einsum letters as in the callers; K the contracted size, N the output size from w.
 """
@@ -61,7 +62,9 @@ def _scale(amax, fmt):
 
 
 def _cast(a_f32, s, fmt):
-    return jnp.clip(a_f32 / s, -_fmax(fmt), _fmax(fmt)).astype(fmt)
+    """a / s rounded to `fmt`, behind an optimization barrier: XLA:GPU folds a f32 -> f8 -> f32 (or bf16) round
+    trip away as excess precision, which would silently skip the rounding (`fp8_test` on a GPU caught it)."""
+    return jax.lax.optimization_barrier(jnp.clip(a_f32 / s, -_fmax(fmt), _fmax(fmt)).astype(fmt))
 
 
 def quantize_tensor(x, fmt=E4M3):
@@ -181,7 +184,8 @@ def einsum(spec: str, x, w, q: Fp8 | None):
         return jnp.einsum(spec, x, w)
     ins, y = spec.replace(" ", "").split("->")
     xs, ws = ins.split(",")
-    mm = lambda s: partial(jnp.einsum, s, preferred_element_type=F32)
+    prec = jax.lax.Precision.HIGHEST if q.scaling == "block" else None  # f32 operands: no TF32 on GPUs
+    mm = lambda s: partial(jnp.einsum, s, preferred_element_type=F32, precision=prec)
     return bilinear(mm(spec), x, w, q=q, axes=einsum_axes(spec), transposes=(mm(f"{y},{ws}->{xs}"),
                                                                               mm(f"{xs},{y}->{ws}")))
 
@@ -191,5 +195,6 @@ def ragged_dot(x_MK, w_EKN, group_sizes_E, q: Fp8 | None):
     block: 128 x 128 blocks per expert)."""
     if q is None:
         return jax.lax.ragged_dot(x_MK, w_EKN, group_sizes_E)
-    f = lambda a, b, gs: jax.lax.ragged_dot(a, b, gs, preferred_element_type=F32)
+    prec = jax.lax.Precision.HIGHEST if q.scaling == "block" else None
+    f = lambda a, b, gs: jax.lax.ragged_dot(a, b, gs, preferred_element_type=F32, precision=prec)
     return bilinear(f, x_MK, w_EKN, group_sizes_E, q=q, axes=Axes(1, (0,), (1,), (2,), 1))

@@ -1,7 +1,9 @@
 """FP8 GEMMs (ling2.layers.fp8) against an independent reference: numpy with ml_dtypes' float8 casts (the
 OCP e4m3fn / e5m2 rounding), tile by tile and block by block in plain loops, and the products and their
 gradients written out by hand (y = x w: dx = dy w^T, dw = x^T dy). Everything runs under jit, so a compiler
-that dropped the f8 round trip would fail here."""
+that dropped the f8 round trip would fail here (XLA:GPU did, before the optimization barrier: run this file
+on a GPU with tools/bench/fp8/device_run.sh). Products are held to 1e-3 of their largest value: Hopper's FP8
+tensor cores accumulate with fewer than fp32's bits (4e-4 seen on an H100)."""
 
 import jax
 import jax.numpy as jnp
@@ -108,9 +110,8 @@ def test_einsum_forward_and_gradients_against_hand_products(scaling):
         xq, wq, gq = ref_tensor(x), ref_tensor(w), ref_tensor(dy, E5)
     else:
         xq, wq, gq = ref_tiles(x), ref_blocks(w), ref_tiles(dy)
-    np.testing.assert_allclose(np.asarray(y), xq @ wq, rtol=1e-4, atol=1e-4 * np.abs(xq @ wq).max())
-    np.testing.assert_allclose(np.asarray(dx), gq @ wq.T, rtol=1e-4, atol=1e-4 * np.abs(gq @ wq.T).max())
-    np.testing.assert_allclose(np.asarray(dw), xq.T @ gq, rtol=1e-4, atol=1e-4 * np.abs(xq.T @ gq).max())
+    for got, ref in ((y, xq @ wq), (dx, gq @ wq.T), (dw, xq.T @ gq)):
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
     # and FP8 really rounded: the unquantized product differs by more than float error
     assert np.abs(np.asarray(y) - x @ w).max() > 1e-2 * np.abs(x @ w).max()
 
@@ -148,7 +149,7 @@ def test_ragged_dot_per_group_against_hand_products(scaling):
         dx_ref[r] = gq[r] @ wq[e].T
         dw_ref[e] = xq[r].T @ gq[r]
     for got, ref in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
-        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
 
 
 def test_model_with_fp8_trains_its_projections_and_experts_in_fp8():

@@ -18,7 +18,7 @@ import os
 import platform
 import sys
 
-TOLERANCE = {"float32": 2e-2, "bfloat16": 2e-2}
+TOLERANCE = {"float32": 2e-2, "bfloat16": 2e-2, "fp8": 2e-2, "fp8-block": 2e-2}
 
 
 def read_losses(path: str) -> dict[int, float]:
@@ -49,7 +49,7 @@ def compare(ref: dict[int, float], run: dict[int, float], tol: float) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ref", required=True)
-    p.add_argument("--run", action="append", default=[], help="DTYPE=metrics.jsonl (float32 or bfloat16)")
+    p.add_argument("--run", action="append", default=[], help="KIND=metrics.jsonl (float32, bfloat16, fp8 or fp8-block)")
     p.add_argument("--save_ref", default="", help="write the reference's losses here as JSON and stop")
     p.add_argument("--out", default="")
     args = p.parse_args()
