@@ -136,6 +136,15 @@ class MoE(_Group):
         "Dropless grouped matmul: 'ragged_dot', 'tiled' (fast on CPU), 'blocked' (batched matmuls over "
         "expert-pure row blocks; XLA:GPU runs ragged_dot dense over the experts), 'megablox' (Pallas TPU kernels; "
         "interpreted elsewhere), or 'auto' (tiled on CPU, megablox on TPU, blocked on CUDA GPUs).")
+    moe_ep_all_to_all: T.EpAllToAll = _f(
+        "Expert-parallel token exchange: 'ragged' (jax.lax.ragged_all_to_all: each peer gets exactly its rows; "
+        "TPU and GPU), 'padded' (all_to_all of a worst-case [n, rows] buffer per peer; any platform), 'emulated' "
+        "(the ragged exchange's offsets carried out by padded collectives: for testing it where ragged cannot "
+        "run), or 'auto' (padded on CPU, ragged elsewhere).")
+    moe_ep_capacity_factor: float = _f(
+        "Ragged exchange's receive buffer per device: this factor x the balanced share (the rows a device "
+        "sends); <= 0: room for every row (dropless at any routing). A layer whose routing would overflow "
+        "it on any device runs that step's exchange padded instead: no token is dropped.")
     load_balance_loss_weight: NonNegativeFloat = _f("Switch-style auxiliary load-balancing loss weight; 0 skips it.")
     moe_z_loss_weight: NonNegativeFloat = _f("ST-MoE router z-loss weight; 0 skips the computation.")
 
@@ -440,6 +449,7 @@ RESUME_FIELDS: dict[str, str] = {
     # kernels and memory: the same model, computed another way
     "attention_kernel": RESUME_FREE, "attention_block_size": RESUME_FREE, "remat_policy": RESUME_FREE,
     "gla_backend": RESUME_FREE, "gla_chunk_size": RESUME_FREE, "moe_gmm_backend": RESUME_FREE,
+    "moe_ep_all_to_all": RESUME_FREE, "moe_ep_capacity_factor": RESUME_FREE,
     "grain_worker_count": RESUME_FREE, "blend_cache_dir": RESUME_FREE,
     # training hyperparameters outside the optimizer group
     "dtype": RESUME_WARN, "quantization": RESUME_WARN, "fp8_scaling": RESUME_WARN, "float32_logits": RESUME_WARN, "load_balance_loss_weight": RESUME_WARN,

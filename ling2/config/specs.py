@@ -128,5 +128,7 @@ class MoESpec(RouterSpec):
     capacity_factor: float
     sparse_matmul: bool
     moe_gmm_backend: str
+    moe_ep_all_to_all: str
+    moe_ep_capacity_factor: float
     load_balance_loss_weight: float
     moe_z_loss_weight: float

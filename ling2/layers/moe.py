@@ -140,7 +140,8 @@ class MoE(nnx.Module):
             stats["dropped"] = dropped_BSK.astype(F32).sum()
         elif path in ("expert_parallel", "per_device"):
             y_BSD = moe_ep.dropless_ep(x_BSD, experts_BSK, weights_BSK, w, mesh=mesh, rules=spec.logical_axis_rules,
-                                       gmm=gmm, q=q)
+                                       gmm=gmm, q=q, a2a=spec.moe_ep_all_to_all,
+                                       capacity_factor=spec.moe_ep_capacity_factor)
         elif path == "gathered":
             y_BSD = moe_experts.gathered(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w).reshape(B, S, D)
         else:

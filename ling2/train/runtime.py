@@ -79,6 +79,11 @@ def make_mesh(cfg, devices=None) -> Mesh:
     problem = cfg.context_problem(ici[context] * dcn[context])
     if problem:
         raise ConfigError(f"ici_context_parallelism: {problem}")
+    expert = ici[MESH_AXES.index("expert")] * dcn[MESH_AXES.index("expert")]
+    if cfg.moe_ep_all_to_all == "ragged" and expert > 1 and devices[0].platform == "cpu":
+        raise ConfigError("moe_ep_all_to_all: 'ragged' cannot run on CPU devices (XLA:CPU has no ragged "
+                          "all-to-all); use 'auto' or 'padded' ('emulated' runs the ragged offsets with padded "
+                          "collectives)")
     if len(by_slice) == 1:
         arr = np.asarray(devices, dtype=object).reshape(ici)
     else:

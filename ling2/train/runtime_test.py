@@ -107,3 +107,14 @@ def test_context_group_across_processes_is_named():
     with pytest.raises(ValueError, match="context shards would span processes"):
         runtime.check_context_groups(arr)
     runtime.check_context_groups(arr.reshape(1, 2, 1, 2, 1))  # each pair on one process
+
+
+def test_ragged_exchange_on_cpu_is_a_named_error():
+    """XLA:CPU cannot run ragged all-to-all: asking for it by name with an expert axis is refused before the
+    model is built; auto, padded and emulated are accepted, and so is ragged without an expert axis."""
+    kw = dict(ici_fsdp_parallelism=1, ici_data_parallelism=-1)
+    with pytest.raises(ValueError, match="moe_ep_all_to_all: 'ragged' cannot run on CPU"):
+        runtime.make_mesh(load_config(moe_ep_all_to_all="ragged", ici_expert_parallelism=4, **kw))
+    for a2a in ("auto", "padded", "emulated"):
+        assert runtime.make_mesh(load_config(moe_ep_all_to_all=a2a, ici_expert_parallelism=4, **kw)).shape["expert"] == 4
+    assert runtime.make_mesh(load_config(moe_ep_all_to_all="ragged", **kw)).shape["expert"] == 1

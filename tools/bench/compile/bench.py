@@ -81,7 +81,14 @@ PLANS.update({
                                         "per_device_batch_size=0.0078125", "ici_fsdp_parallelism=1",
                                         "ici_context_parallelism=128", "attention_block_size=2048"]),
 })
-BASELINE = {"v5p-64 full logits": "v5p-64"}
+# Expert-parallel exchange (issue 28): "auto" is the ragged all-to-all on TPU; these run the padded one beside
+# it, same plan otherwise.
+PLANS.update({f"{name} padded": (PLANS[name][0], 1, [*PLANS[name][2], "moe_ep_all_to_all=padded"])
+              for name in ("v5p-64", "v5p-256")})
+PLANS["v5p-64 ragged bound 2"] = ("v5p-64", 1, [*PLANS["v5p-64"][2], "moe_ep_all_to_all=ragged",
+                                                "moe_ep_capacity_factor=2.0"])
+BASELINE = {"v5p-64 full logits": "v5p-64", "v5p-64 padded": "v5p-64", "v5p-256 padded": "v5p-256",
+            "v5p-64 ragged bound 2": "v5p-64"}
 
 
 def run_plan(name, topology, num_slices, overrides, outdir):
