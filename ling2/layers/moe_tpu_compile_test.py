@@ -82,3 +82,17 @@ def test_ragged_receive_bound_shrinks_the_buffers():
     padded, ragged = compiled_ep("padded"), compiled_ep("ragged", 1.25)
     assert " ragged-all-to-all(" in ragged.as_text() and " all-to-all(" in ragged.as_text()  # both branches
     assert ragged.memory_analysis().temp_size_in_bytes < padded.memory_analysis().temp_size_in_bytes
+
+
+def test_ragged_exchange_moves_a_fraction_of_the_padded_bytes():
+    """Bytes the all-to-alls move per chip (ling2.train.hlo_traffic on the compiled program): the padded
+    exchange sends its whole [n, M, D] buffers; the ragged one each routed row once (M rows out, M back on
+    average): 1/n of the padded bytes at n = 4, and no more than half at any n >= 2."""
+    from ling2.train import hlo_traffic
+
+    mesh = {"data": 1, "fsdp": 1, "expert": 4, "context": 1, "tensor": 1}
+    a2a = lambda c: sum(v["wire_bytes"] for (kind, _), v in hlo_traffic.traffic(c.as_text(), mesh)["collectives"].items()
+                        if kind in ("all-to-all", "ragged-all-to-all"))
+    padded, ragged = a2a(compiled_ep("padded")), a2a(compiled_ep("ragged"))
+    assert ragged <= 0.5 * padded
+    assert ragged == pytest.approx(padded / 4, rel=0.01)

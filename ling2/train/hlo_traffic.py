@@ -6,9 +6,11 @@ forms included). Each is charged to the mesh axes its replica groups (or permute
 partition ids of an SPMD program index the mesh's devices in order, so a group's members differ in
 exactly those coordinates. Wire bytes per chip use the ring algorithms' counts for a group of n:
 all-gather out x (n-1)/n, reduce-scatter out x (n-1), all-reduce 2 x bytes x (n-1)/n, all-to-all
-bytes x (n-1)/n, collective-permute its buffer. A ragged all-to-all is charged its operand (the most one
-device can send: how many rows go is decided at run time), x (n-1)/n as all-to-all. A conditional counts its
-first branch (for the bounded ragged MoE exchange: the ragged one, taken unless the routing overflows).
+bytes x (n-1)/n, collective-permute its buffer. A ragged all-to-all moves rows decided at run time: it is
+charged the smaller of its operand and its output buffer, x (n-1)/n as all-to-all. For the MoE exchange that
+is exactly the rows each device sends on average (every routed row moves once, whatever the routing; a
+skewed routing loads some links more). A conditional counts its first branch (for the bounded ragged MoE
+exchange: the ragged one, taken unless the routing overflows).
 
 HBM: every top-level instruction (a fusion is one) reads its operands and writes its result once; bitcasts,
 tuples, parameters, constants and control flow move nothing themselves; a dynamic slice reads its slice
@@ -232,7 +234,7 @@ def traffic(text: str, mesh_shape: dict) -> dict:
                 shape = done_of.get(i.name, i.shape) if i.op.endswith("-start") else i.shape
                 buf = shape_bytes(shape)
                 if base == "ragged-all-to-all":
-                    buf = shape_bytes(shapes.get(_operands(i)[0], shape))
+                    buf = min(buf, shape_bytes(shapes.get(_operands(i)[0], shape)))
                 g = groups(i.rest, n_dev)
                 axes = axes_of(g[0], mesh_shape) if g and g[0] else ()
                 size = len(g[0]) if base != "collective-permute" else 2
