@@ -1,6 +1,7 @@
 """Expert parallelism on 8 fake CPU devices (expert=4 x data=2, and expert=4 x fsdp=2): forward and gradients equal the
 single-device dropless result (the reference here is the same layer with no mesh, itself checked
-against a float64 numpy loop in moe_test.py)."""
+against a float64 numpy loop in moe_test.py), with the padded exchange and the ragged one (`emulated`:
+XLA:CPU cannot run ragged all-to-all; the real op is compiled for TPU in moe_tpu_compile_test.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -88,3 +89,37 @@ def test_ep_needs_batch_sharded_over_expert_and_divisible_experts():
     with pytest.raises(ValueError, match="not divisible"):
         moe_ep.dropless_ep(jnp.zeros((8, 2, 128)), jnp.zeros((8, 2, 2), jnp.int32), jnp.zeros((8, 2, 2)), w,
                            mesh=make_mesh(2, 4), rules=cfg.logical_axis_rules, gmm="tiled")
+
+
+@pytest.mark.parametrize("expert,capacity,skew", [(2, 0.0, 0.0), (4, 0.0, 0.0), (8, 0.0, 0.0), (4, 2.5, 0.0),
+                                                  (4, 1.0, 3.0)])
+def test_ragged_ep_layer_equals_single_device(expert, capacity, skew, monkeypatch):
+    """The ragged exchange (moe_ep_all_to_all=emulated). Receive bound: capacity 0, room for every row; 2.5
+    (this routing sends one shard 2.4x its share), 0.6 of every row; 1.0 with a bias that sends most tokens
+    to two experts: the bound overflows, the padded exchange runs instead, and no token is dropped."""
+    assert jax.device_count() == 8
+    cfg = load_config(model_name="ling2-tiny", load_balance_loss_weight=0.01, moe_z_loss_weight=0.001,
+                      moe_ep_all_to_all="emulated", moe_ep_capacity_factor=capacity)
+    m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0), gmm="tiled")
+    bias = jax.random.normal(jax.random.key(3), (cfg.num_experts,)) * 0.05
+    m.gate.expert_bias[...] = bias.at[:2].add(skew)
+    x = jax.random.normal(jax.random.key(1), (8, 16, cfg.base_emb_dim))
+    ct = jax.random.normal(jax.random.key(2), x.shape)
+    step = nnx.jit(loss_and_grads)
+    y1, c1, gm1, gx1 = step(m, x, ct)
+    kinds = []
+    real = moe_ep._local_ragged
+    monkeypatch.setattr(moe_ep, "_local_ragged", lambda *a, **k: kinds.append(k["emulated"]) or real(*a, **k))
+    with jax.set_mesh(make_mesh(data=8 // expert, expert=expert)):
+        y8, c8, gm8, gx8 = step(m, x, ct)
+    assert kinds == [True]  # the ragged body ran (emulated), once per trace
+    # rows each expert shard receives against the bound: over it with the skew (most rows to the first
+    # shard), within it otherwise (the ragged exchange itself ran)
+    per_shard = np.asarray(c1).reshape(expert, -1).sum(1)
+    bound = moe_ep.recv_rows(8 * 16 * cfg.num_experts_per_tok // expert, expert, capacity)
+    assert (per_shard.max() > bound) == bool(skew), (per_shard, bound)
+    np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(c8, c1)
+    np.testing.assert_allclose(gx8, gx1, rtol=1e-4, atol=1e-6)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(gm8), nnx.to_flat_state(gm1)):
+        np.testing.assert_allclose(a[...], b[...], rtol=1e-4, atol=1e-6, err_msg=str(path))
