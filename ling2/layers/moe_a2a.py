@@ -54,14 +54,14 @@ def _emulated(x, out_rows: int, plan: Plan, axis_name: str):
     got = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=False)  # got[i]: what peer i sent me
     land = jax.lax.all_to_all(plan.output_offsets, axis_name, 0, 0, tiled=True)  # where peer i put it for me
     dest = jnp.where(j[None, :] < plan.recv_sizes[:, None], land[:, None] + j[None, :], out_rows)
-    out = jnp.zeros((out_rows,) + x.shape[1:], x.dtype)
+    out = jax.lax.full_like(x, 0, shape=(out_rows,) + x.shape[1:])  # varying over x's manual axes, as x
     return out.at[dest.reshape(-1)].set(got.reshape((n * R,) + x.shape[1:]), mode="drop")
 
 
 def _move(x, out_rows: int, plan: Plan, axis_name: str, emulated: bool):
     if emulated:
         return _emulated(x, out_rows, plan, axis_name)
-    out = jnp.zeros((out_rows,) + x.shape[1:], x.dtype)
+    out = jax.lax.full_like(x, 0, shape=(out_rows,) + x.shape[1:])
     return jax.lax.ragged_all_to_all(x, out, plan.input_offsets, plan.send_sizes, plan.output_offsets,
                                      plan.recv_sizes, axis_name=axis_name)
 
