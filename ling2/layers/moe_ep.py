@@ -12,7 +12,7 @@ what it received, and sends the results back. Two exchanges (`moe_ep_all_to_all`
           whatever the routing (the plans: most of a pod's collective bytes and temporaries).
   ragged  `ragged_all_to_all` (ling2.layers.moe_a2a): each peer gets exactly its rows, into a receive
           buffer of `moe_ep_capacity_factor` x M rows (n*M when <= 0). Where some device's rows would
-          overflow that bound, the layer's exchange runs padded for that step (one `lax.cond`, decided
+          overflow that bound, the layer's exchange runs padded for that step (one `lax.switch`, decided
           from the all-gathered counts every device holds): never a dropped token. XLA:CPU cannot run
           ragged all-to-all, so "auto" is padded there and "emulated" runs the ragged path's offsets with
           padded collectives (how CPU tests check it).
@@ -118,7 +118,7 @@ def _local_ragged(x_TD, experts_TK, weights_TK, w, *, n: int, gmm: str, q=None, 
     """Per-device body with the ragged exchange (`_local`'s contract), its receive buffer bounded by
     `capacity_factor`; a step whose routing overflows the bound on any device runs `_local` (padded).
 
-    With a bound the choice is a `lax.cond` inside a custom VJP whose backward recomputes the taken branch's
+    With a bound the choice is a `lax.switch` inside a custom VJP whose backward recomputes the taken branch's
     forward and differentiates it there: differentiating through the cond directly would keep the residuals
     of both branches (the padded one's n*M-row buffers included) whichever ran."""
     T, K = experts_TK.shape
@@ -129,14 +129,16 @@ def _local_ragged(x_TD, experts_TK, weights_TK, w, *, n: int, gmm: str, q=None, 
         return ragged(x_TD, experts_TK, weights_TK, *w)
     padded = lambda x, e, g, *w: _local(x, e, g, w, n=n, gmm=gmm, q=q)
 
-    def fits(experts_TK):
-        """Whether every device receives at most R rows (the counts are summed over the group: one answer)."""
+    def overflow(experts_TK):
+        """0 when every device receives at most R rows, else 1 (the counts are summed over the group: one
+        answer). The branch index of `lax.switch` over (ragged, padded): the ragged one first, which is the
+        branch `hlo_traffic` counts."""
         count_n = jnp.bincount(experts_TK.reshape(-1) // (w[0].shape[0]), length=n)
-        return jnp.max(jax.lax.psum(count_n, "expert")) <= R
+        return (jnp.max(jax.lax.psum(count_n, "expert")) > R).astype(jnp.int32)
 
     @jax.custom_vjp
     def bounded(x, g, w, e):
-        return jax.lax.cond(fits(e), ragged, padded, x, e, g, *w)
+        return jax.lax.switch(overflow(e), (ragged, padded), x, e, g, *w)
 
     def fwd(x, g, w, e):
         return bounded(x, g, w, e), (x, g, w, e)
@@ -147,7 +149,7 @@ def _local_ragged(x_TD, experts_TK, weights_TK, w, *, n: int, gmm: str, q=None, 
         def grads(fn):
             return lambda x, g, *w: jax.vjp(lambda x, g, *w: fn(x, e, g, *w), x, g, *w)[1](ct)
 
-        dx, dg, *dw = jax.lax.cond(fits(e), grads(ragged), grads(padded), x, g, *w)
+        dx, dg, *dw = jax.lax.switch(overflow(e), (grads(ragged), grads(padded)), x, g, *w)
         return dx, dg, tuple(dw), None
 
     bounded.defvjp(fwd, bwd)

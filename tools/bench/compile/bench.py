@@ -85,10 +85,11 @@ PLANS.update({
 # it, same plan otherwise.
 PLANS.update({f"{name} padded": (PLANS[name][0], 1, [*PLANS[name][2], "moe_ep_all_to_all=padded"])
               for name in ("v5p-64", "v5p-256")})
-PLANS["v5p-64 ragged bound 2"] = ("v5p-64", 1, [*PLANS["v5p-64"][2], "moe_ep_all_to_all=ragged",
-                                                "moe_ep_capacity_factor=2.0"])
+PLANS.update({f"{name} ragged bound 2": (PLANS[name][0], 1, [*PLANS[name][2], "moe_ep_all_to_all=ragged",
+                                                                "moe_ep_capacity_factor=2.0"])
+              for name in ("v5p-64", "v5p-256")})
 BASELINE = {"v5p-64 full logits": "v5p-64", "v5p-64 padded": "v5p-64", "v5p-256 padded": "v5p-256",
-            "v5p-64 ragged bound 2": "v5p-64"}
+            "v5p-64 ragged bound 2": "v5p-64", "v5p-256 ragged bound 2": "v5p-256"}
 
 
 def run_plan(name, topology, num_slices, overrides, outdir):
