@@ -88,8 +88,11 @@ PLANS.update({f"{name} padded": (PLANS[name][0], 1, [*PLANS[name][2], "moe_ep_al
 PLANS.update({f"{name} ragged bound 2": (PLANS[name][0], 1, [*PLANS[name][2], "moe_ep_all_to_all=ragged",
                                                                 "moe_ep_capacity_factor=2.0"])
               for name in ("v5p-64", "v5p-256")})
+PLANS["v5p-256 ragged bound 1.5"] = ("v5p-256", 1, [*PLANS["v5p-256"][2], "moe_ep_all_to_all=ragged",
+                                                    "moe_ep_capacity_factor=1.5"])
 BASELINE = {"v5p-64 full logits": "v5p-64", "v5p-64 padded": "v5p-64", "v5p-256 padded": "v5p-256",
-            "v5p-64 ragged bound 2": "v5p-64", "v5p-256 ragged bound 2": "v5p-256"}
+            "v5p-64 ragged bound 2": "v5p-64", "v5p-256 ragged bound 2": "v5p-256",
+            "v5p-256 ragged bound 1.5": "v5p-256"}
 
 
 def run_plan(name, topology, num_slices, overrides, outdir):
