@@ -133,7 +133,8 @@ def test_argmax_ties_take_the_lowest_id():
 
 def lm_cfg(E, V, dtype, float32_logits):
     return EmbedSpec(init_std=0.3, emb_dim=E, vocab_size=V, weight_dtype="float32", dtype=dtype,
-                     float32_logits=float32_logits, normalization_layer_epsilon=1e-6, logical_axis_rules=())
+                     float32_logits=float32_logits, normalization_layer_epsilon=1e-6, logical_axis_rules=(),
+                     quantization="", fp8_scaling="tensor")
 
 
 @pytest.mark.parametrize("float32_logits", [True, False])
