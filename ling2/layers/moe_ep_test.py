@@ -30,6 +30,18 @@ def loss_and_grads(m, x, ct):
     return y, counts, gm, gx
 
 
+def assert_same(one, mesh_run, nonzero_grads=False):
+    """Outputs, expert counts and every gradient of a mesh step equal the one-device step's."""
+    (y1, c1, gm1, gx1), (y8, c8, gm8, gx8) = one, mesh_run
+    np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(c8, c1)
+    np.testing.assert_allclose(gx8, gx1, rtol=1e-4, atol=1e-6)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(gm8), nnx.to_flat_state(gm1)):
+        if nonzero_grads:
+            assert np.abs(np.asarray(b[...])).max() > 0 or "bias" in str(path), path
+        np.testing.assert_allclose(a[...], b[...], rtol=1e-4, atol=1e-6, err_msg=str(path))
+
+
 @pytest.mark.parametrize("gmm,data,expert,fsdp", [("tiled", 2, 4, 1), ("ragged_dot", 2, 4, 1), ("megablox", 2, 4, 1),
                                                   ("tiled", 1, 4, 2), ("megablox", 2, 1, 4), ("tiled", 2, 1, 4)])
 def test_ep_forward_and_grads_equal_single_device(gmm, data, expert, fsdp, monkeypatch):
@@ -43,20 +55,14 @@ def test_ep_forward_and_grads_equal_single_device(gmm, data, expert, fsdp, monke
     ct = jax.random.normal(jax.random.key(2), x.shape)
     step = nnx.jit(loss_and_grads)
 
-    y1, c1, gm1, gx1 = step(m, x, ct)
+    one = step(m, x, ct)
     traced = []
     real = moe_ep.dropless_ep
     monkeypatch.setattr(moe_ep, "dropless_ep", lambda *a, **k: traced.append(1) or real(*a, **k))
     with jax.set_mesh(make_mesh(data=data, expert=expert, fsdp=fsdp)):
-        y8, c8, gm8, gx8 = step(m, x, ct)
+        mesh_run = step(m, x, ct)
     assert traced  # the mesh step retraced and took the shard_map path
-
-    np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(c8, c1)
-    np.testing.assert_allclose(gx8, gx1, rtol=1e-4, atol=1e-6)
-    for (path, a), (_, b) in zip(nnx.to_flat_state(gm8), nnx.to_flat_state(gm1)):
-        assert np.abs(np.asarray(b[...])).max() > 0 or "bias" in str(path), path
-        np.testing.assert_allclose(a[...], b[...], rtol=1e-4, atol=1e-6, err_msg=str(path))
+    assert_same(one, mesh_run, nonzero_grads=True)
 
 
 def test_tensor_parallel_experts_without_expert_axis_are_partitioned_by_xla(monkeypatch):
@@ -106,20 +112,16 @@ def test_ragged_ep_layer_equals_single_device(expert, capacity, skew, monkeypatc
     x = jax.random.normal(jax.random.key(1), (8, 16, cfg.base_emb_dim))
     ct = jax.random.normal(jax.random.key(2), x.shape)
     step = nnx.jit(loss_and_grads)
-    y1, c1, gm1, gx1 = step(m, x, ct)
+    one = step(m, x, ct)
     kinds = []
     real = moe_ep._local_ragged
     monkeypatch.setattr(moe_ep, "_local_ragged", lambda *a, **k: kinds.append(k["emulated"]) or real(*a, **k))
     with jax.set_mesh(make_mesh(data=8 // expert, expert=expert)):
-        y8, c8, gm8, gx8 = step(m, x, ct)
+        mesh_run = step(m, x, ct)
     assert kinds == [True]  # the ragged body ran (emulated), once per trace
     # rows each expert shard receives against the bound: over it with the skew (most rows to the first
     # shard), within it otherwise (the ragged exchange itself ran)
-    per_shard = np.asarray(c1).reshape(expert, -1).sum(1)
+    per_shard = np.asarray(one[1]).reshape(expert, -1).sum(1)
     bound = moe_ep.recv_rows(8 * 16 * cfg.num_experts_per_tok // expert, expert, capacity)
     assert (per_shard.max() > bound) == bool(skew), (per_shard, bound)
-    np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(c8, c1)
-    np.testing.assert_allclose(gx8, gx1, rtol=1e-4, atol=1e-6)
-    for (path, a), (_, b) in zip(nnx.to_flat_state(gm8), nnx.to_flat_state(gm1)):
-        np.testing.assert_allclose(a[...], b[...], rtol=1e-4, atol=1e-6, err_msg=str(path))
+    assert_same(one, mesh_run)

@@ -51,11 +51,14 @@ def main():
                    "eval_loss": {r["step"]: r["eval_loss"] for r in recs if "eval_loss" in r}}
             doc["rows"].append(row)
             doc["load_avg_end"] = host_facts()["load_avg"]
+            last = row["eval_loss"][max(row["eval_loss"])]
+            base = next((r for r in doc["rows"] if r["model"] == model and r["mode"] == "bf16"), None)
+            row["eval_vs_bf16"] = last / base["eval_loss"][max(base["eval_loss"])] - 1 if base else None
             with open(out, "w") as f:
                 json.dump(doc, f, indent=1)
-            last = row["eval_loss"][max(row["eval_loss"])]
-            print(f"{model:11s} {mode:10s} eval {last:.4f}  train {row['loss'][max(row['loss'])]:.4f}  "
-                  f"{row['train_s']:.0f} s", flush=True)
+            print(f"{model:11s} {mode:10s} eval {last:.4f}"
+                  + (f" ({row['eval_vs_bf16']:+.2%} vs bf16)" if base and base is not row else "")
+                  + f"  train {row['loss'][max(row['loss'])]:.4f}  {row['train_s']:.0f} s", flush=True)
     print(f"wrote {out}")
 
 
