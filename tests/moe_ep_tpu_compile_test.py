@@ -50,11 +50,19 @@ def test_ragged_expert_parallel_step_compiles_to_ragged_all_to_all_and_megablox(
 
 
 def test_ragged_receive_bound_shrinks_the_buffers():
-    """A receive bound of 1.25x the balanced share: the ragged path's temporaries fall below the padded
-    exchange's (whose buffers hold 4x every device's rows); the padded fallback is compiled in beside it."""
-    padded, ragged = compiled_ep("padded"), compiled_ep("ragged", 1.25)
-    assert " ragged-all-to-all(" in ragged.as_text() and " all-to-all(" in ragged.as_text()  # both branches
-    assert ragged.memory_analysis().temp_size_in_bytes < padded.memory_analysis().temp_size_in_bytes
+    """A receive bound of 1.25x the balanced share: the program holds only bounded receive buffers (a routing
+    that overflows them runs more rounds of the same exchange, a loop; no padded all-to-all is compiled in),
+    so its temporaries and XLA's peak fall well below the padded exchange's (whose buffers hold 4x every
+    device's rows) and below the unbounded ragged exchange's."""
+    padded, unbounded, bounded = compiled_ep("padded"), compiled_ep("ragged"), compiled_ep("ragged", 1.25)
+    text = bounded.as_text()
+    assert " ragged-all-to-all(" in text and " all-to-all(" not in text
+    assert 'custom_call_target="tpu_custom_call"' in text
+    mem = {k: c.memory_analysis() for k, c in (("padded", padded), ("unbounded", unbounded), ("bounded", bounded))}
+    for field in ("temp_size_in_bytes", "peak_memory_in_bytes"):
+        got = {k: getattr(m, field) for k, m in mem.items()}
+        assert got["bounded"] < 0.75 * got["padded"], (field, got)
+        assert got["bounded"] < got["unbounded"], (field, got)
 
 
 def test_ragged_exchange_moves_a_fraction_of_the_padded_bytes():

@@ -143,8 +143,9 @@ class MoE(_Group):
         "run), or 'auto' (padded on CPU, ragged elsewhere).")
     moe_ep_capacity_factor: float = _f(
         "Ragged exchange's receive buffer per device: this factor x the balanced share (the rows a device "
-        "sends); <= 0: room for every row (dropless at any routing). A layer whose routing would overflow "
-        "it on any device runs that step's exchange padded instead: no token is dropped.")
+        "sends); <= 0: room for every row. A layer whose routing sends some device more rows runs that "
+        "step's exchange in rounds of at most this many rows per receiver: no token is dropped, no buffer "
+        "grows.")
     load_balance_loss_weight: NonNegativeFloat = _f("Switch-style auxiliary load-balancing loss weight; 0 skips it.")
     moe_z_loss_weight: NonNegativeFloat = _f("ST-MoE router z-loss weight; 0 skips the computation.")
 

@@ -5,7 +5,8 @@ Inside `shard_map` over the `expert` axis (n devices). A device's M rows are sor
 for peer j are one run [start_j, start_j + count_j). From the all-gathered count matrix C [n, n]
 (C[i, j]: rows i sends j), every device derives the same `Plan`: where each run goes in the receiver's
 buffer (the receivers' buffers hold their senders' runs one after another, in sender order), and the
-reverse, for sending the experts' outputs back.
+reverse, for sending the experts' outputs back. A window of that buffer gives the plans of one round of a
+bounded exchange (each receiver gets only the rows landing in its window).
 
 `exchange(x, plan)` moves rows by `jax.lax.ragged_all_to_all`; its VJP is the exchange the other way
 (the transpose of moving rows is moving them back; rows nobody sent are zero both ways), written as a
@@ -34,12 +35,23 @@ def _exclusive_cumsum(a, axis):
     return jnp.cumsum(a, axis=axis) - a
 
 
-def plans(count_n, axis_name: str) -> tuple[Plan, Plan]:
-    """(dispatch, combine) plans from this device's per-peer send counts [n]."""
-    me = jax.lax.axis_index(axis_name)
-    C = jax.lax.all_gather(count_n.astype(jnp.int32), axis_name)  # [n senders, n receivers]
+def count_matrix(count_n, axis_name: str):
+    """C [n senders, n receivers] from each device's per-peer send counts [n]: the same on every device."""
+    return jax.lax.all_gather(count_n.astype(jnp.int32), axis_name)
+
+
+def plans(C, me, window: tuple | None = None) -> tuple[Plan, Plan]:
+    """(dispatch, combine) plans of device `me` from the count matrix C (`count_matrix`).
+
+    `window` (lo, rows): only the rows that land in [lo, lo + rows) of each receiver's full buffer, placed
+    at their offsets minus lo: one round of an exchange whose receive buffers hold `rows` rows."""
     start_C = _exclusive_cumsum(C, 1)  # sender i's run for j starts at start_C[i, j] in i's operand
     land_C = _exclusive_cumsum(C, 0)  # sender i's run lands at land_C[i, j] in j's buffer
+    if window is not None:
+        lo, rows = window
+        first_C = jnp.clip(land_C, lo, lo + rows)
+        C = jnp.clip(land_C + C, lo, lo + rows) - first_C
+        start_C, land_C = start_C + first_C - land_C, first_C - lo
     dispatch = Plan(start_C[me], C[me], land_C[me], C[:, me], land_C[:, me])
     combine = Plan(land_C[:, me], C[:, me], start_C[:, me], C[me], start_C[me])
     return dispatch, combine

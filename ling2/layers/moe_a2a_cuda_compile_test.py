@@ -15,7 +15,7 @@ def test_exchange_and_its_vjp_compile_to_ragged_all_to_all_for_h100():
     mesh = Mesh(np.array(topology.devices("h100-8")[:4]), ("expert",))
 
     def body(count_n, x):
-        dispatch, combine = moe_a2a.plans(count_n[0], "expert")
+        dispatch, combine = moe_a2a.plans(moe_a2a.count_matrix(count_n[0], "expert"), jax.lax.axis_index("expert"))
         y, vjp = jax.vjp(lambda x: moe_a2a.exchange(x[0], 64, dispatch, combine, "expert", False), x)
         return y[None], vjp(y)[0]
 

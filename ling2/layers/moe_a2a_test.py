@@ -41,9 +41,9 @@ def runs(counts):
             at += c
 
 
-def numpy_exchange(counts, x):
+def numpy_exchange(counts, x, out_rows=OUT):
     """ragged_all_to_all's result: each run at its place, zeros after."""
-    out = np.zeros((N, OUT, D), np.float32)
+    out = np.zeros((N, out_rows, D), np.float32)
     for i, j, src, dst in runs(counts):
         out[j, dst] = x[i, src]
     return out
@@ -53,7 +53,7 @@ def run_exchange(counts, x, ct):
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:N]), ("expert",))
 
     def body(count_n, x, ct):
-        dispatch, combine = moe_a2a.plans(count_n[0], "expert")
+        dispatch, combine = moe_a2a.plans(moe_a2a.count_matrix(count_n[0], "expert"), jax.lax.axis_index("expert"))
         f = lambda x: moe_a2a.exchange(x[0], OUT, dispatch, combine, "expert", True)
         y, vjp = jax.vjp(f, x)
         return y[None], vjp(ct[0])[0]
@@ -80,7 +80,7 @@ def test_plans_combine_is_dispatch_reversed():
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:N]), ("expert",))
 
     def body(count_n):
-        d, c = moe_a2a.plans(count_n[0], "expert")
+        d, c = moe_a2a.plans(moe_a2a.count_matrix(count_n[0], "expert"), jax.lax.axis_index("expert"))
         return jnp.stack([*d, *c])[None]
 
     got = np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))(counts))
@@ -91,6 +91,41 @@ def test_plans_combine_is_dispatch_reversed():
         np.testing.assert_array_equal(c[1], d[3])  # combine sends back what dispatch received ...
         np.testing.assert_array_equal(c[0], d[4])  # ... from where it landed ...
         np.testing.assert_array_equal(c[3], d[1])  # ... and each peer gets back what it sent
+
+
+@pytest.mark.parametrize("rows", [5, 8, 13])
+def test_windowed_plans_split_the_exchange_into_rounds(rows):
+    """Round r's plans (window [r*rows, (r+1)*rows) of every receiver's buffer) move exactly the rows that land
+    there, to their place minus r*rows; its combine plan brings each back to the row it came from. Over the
+    rounds every sent row goes out and comes back once."""
+    counts, x = counts_and_rows()
+    full = numpy_exchange(counts, x, N * ROWS)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:N]), ("expert",))
+
+    def body(count_n, x, r):
+        d, c = moe_a2a.plans(moe_a2a.count_matrix(count_n[0], "expert"), jax.lax.axis_index("expert"),
+                             window=(r * rows, rows))
+        y = moe_a2a.exchange(x[0], rows, d, c, "expert", True)
+        return y[None], moe_a2a.exchange(y, ROWS, c, d, "expert", True)[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("expert"), P("expert"), P()),
+                              out_specs=(P("expert"), P("expert"))))
+    rounds = -(-counts.sum(0).max() // rows)
+    returned = np.zeros_like(x)
+    for r in range(rounds):
+        y, back = map(np.asarray, f(jnp.asarray(counts), jnp.asarray(x), jnp.int32(r)))
+        np.testing.assert_array_equal(y, full[:, r * rows:(r + 1) * rows])
+        for i, j, src, dst in runs(counts):
+            landed = np.arange(dst.start, dst.stop)
+            mine = (landed >= r * rows) & (landed < (r + 1) * rows)
+            want = np.where(mine[:, None], x[i, src], 0)
+            np.testing.assert_array_equal(back[i, src], want)
+        returned += back
+    sent = np.zeros((N, ROWS), bool)
+    for i, j, src, dst in runs(counts):
+        sent[i, src] = True
+    np.testing.assert_array_equal(returned, np.where(sent[..., None], x, 0))
+    assert rounds > 1
 
 
 def test_recv_rows():

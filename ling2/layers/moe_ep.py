@@ -11,9 +11,10 @@ what it received, and sends the results back. Two exchanges (`moe_ep_all_to_all`
           transpose, so differentiable on any platform; but every device sends and receives n*M rows
           whatever the routing (the plans: most of a pod's collective bytes and temporaries).
   ragged  `ragged_all_to_all` (ling2.layers.moe_a2a): each peer gets exactly its rows, into a receive
-          buffer of `moe_ep_capacity_factor` x M rows (n*M when <= 0). Where some device's rows would
-          overflow that bound, the layer's exchange runs padded for that step (one `lax.switch`, decided
-          from the all-gathered counts every device holds): never a dropped token. XLA:CPU cannot run
+          buffer of `moe_ep_capacity_factor` x M rows (n*M when <= 0). Where some device would be sent
+          more rows than that, the layer's exchange runs in rounds for that step, each filling every
+          receiver's buffer at most once (the count decided from the all-gathered counts every device
+          holds): never a dropped token, and never a buffer larger than the bound. XLA:CPU cannot run
           ragged all-to-all, so "auto" is padded there and "emulated" runs the ragged path's offsets with
           padded collectives (how CPU tests check it).
 """
@@ -90,70 +91,69 @@ def recv_rows(M: int, n: int, capacity_factor: float) -> int:
     return min(n * M, -(-math.ceil(capacity_factor * M) // 8) * 8)
 
 
-def _ragged(x_TD, experts_TK, weights_TK, *w, n: int, gmm: str, q, R: int, emulated: bool):
-    """Per-device body with the ragged exchange into an R-row receive buffer (`_local`'s contract); the
-    caller makes sure no device receives more than R rows."""
+def _local_ragged(x_TD, experts_TK, weights_TK, w, *, n: int, gmm: str, q=None, capacity_factor: float,
+                  emulated: bool):
+    """Per-device body with the ragged exchange (`_local`'s contract) into receive buffers of R rows
+    (`recv_rows`). With R < n*M a receiver may be sent more than R rows: the exchange then runs in rounds
+    (`_in_rounds`)."""
     T, K = experts_TK.shape
     M, e_loc = T * K, w[0].shape[0]
+    R = recv_rows(M, n, capacity_factor)
     order_M, gs_E = X.sort_by_expert(experts_TK, e_loc * n)
     inv_M = jnp.argsort(order_M)
-    dispatch, combine = moe_a2a.plans(gs_E.reshape(n, e_loc).sum(1), "expert")
     x_MD = gather_rows(x_TD, order_M // K, inv_M, K)
-    recv_RD = moe_a2a.exchange(x_MD, R, dispatch, combine, "expert", emulated)
-    # The buffer holds sender 0's run (sorted by my experts), then sender 1's, ...: segment (i, e) ends at the
-    # running sum of mine[i, e]; rows past the last segment are padding (id e_loc, sorted last).
-    mine = jax.lax.all_gather(gs_E.reshape(n, e_loc), "expert")[:, jax.lax.axis_index("expert")]  # [sender, e]
-    r = jnp.arange(R)
-    seg = jnp.searchsorted(jnp.cumsum(mine.reshape(-1)), r, side="right")
-    lorder = jnp.argsort(jnp.where(r < mine.sum(), seg % e_loc, e_loc), stable=True)
-    linv = jnp.argsort(lorder)
-    y_sorted = grouped_ffn(gather_rows(recv_RD, lorder, linv, 1), mine.sum(0).astype(jnp.int32), w, gmm, q=q)
-    y_MD = moe_a2a.exchange(gather_rows(y_sorted, linv, lorder, 1), M, combine, dispatch, "expert", emulated)
+    sent = jax.lax.all_gather(gs_E.reshape(n, e_loc), "expert")  # [sender, receiver, receiver's expert]: rows
+    one = partial(_round, R=R, gmm=gmm, q=q, emulated=emulated)
+    y_MD = one(x_MD, w, sent, 0) if R >= n * M else _in_rounds(x_MD, w, sent, one, R)
     y_TKD = gather_rows(y_MD, inv_M, order_M, 1).reshape(T, K, -1)
     return X.combine(y_TKD, weights_TK, x_TD.dtype)
 
 
-def _local_ragged(x_TD, experts_TK, weights_TK, w, *, n: int, gmm: str, q=None, capacity_factor: float,
-                  emulated: bool):
-    """Per-device body with the ragged exchange (`_local`'s contract), its receive buffer bounded by
-    `capacity_factor`; a step whose routing overflows the bound on any device runs `_local` (padded).
+def _round(x_MD, w, sent, r, *, R: int, gmm: str, q, emulated: bool):
+    """Round r of the exchange: the rows that land in [r*R, (r+1)*R) of each receiver's full buffer go out,
+    through the receiver's experts and back. [M, D], zero on the rows of other rounds."""
+    e_loc = sent.shape[2]
+    me = jax.lax.axis_index("expert")
+    dispatch, combine = moe_a2a.plans(sent.sum(2), me, window=(r * R, R))
+    recv_RD = moe_a2a.exchange(x_MD, R, dispatch, combine, "expert", emulated)
+    # The full buffer holds sender 0's run (sorted by my experts), then sender 1's, ...: segment (i, e) ends
+    # at the running sum of mine[i, e]; rows past the last segment are padding (id e_loc, sorted last).
+    mine = sent[:, me].reshape(-1)
+    at_R = r * R + jnp.arange(R)
+    seg_R = jnp.searchsorted(jnp.cumsum(mine), at_R, side="right")
+    e_R = jnp.where(at_R < mine.sum(), seg_R % e_loc, e_loc)
+    lorder = jnp.argsort(e_R, stable=True)
+    linv = jnp.argsort(lorder)
+    gs = jnp.bincount(e_R, length=e_loc + 1)[:e_loc].astype(jnp.int32)
+    y_sorted = grouped_ffn(gather_rows(recv_RD, lorder, linv, 1), gs, w, gmm, q=q)
+    return moe_a2a.exchange(gather_rows(y_sorted, linv, lorder, 1), x_MD.shape[0], combine, dispatch, "expert",
+                            emulated)
 
-    With a bound the choice is a `lax.switch` inside a custom VJP whose backward recomputes the taken branch's
-    forward and differentiates it there: differentiating through the cond directly would keep the residuals
-    of both branches (the padded one's n*M-row buffers included) whichever ran."""
-    T, K = experts_TK.shape
-    M = T * K
-    R = recv_rows(M, n, capacity_factor)
-    ragged = partial(_ragged, n=n, gmm=gmm, q=q, R=R, emulated=emulated)
-    if R >= n * M:  # room for every row: no overflow is possible
-        return ragged(x_TD, experts_TK, weights_TK, *w)
-    padded = lambda x, e, g, *w: _local(x, e, g, w, n=n, gmm=gmm, q=q)
 
-    def overflow(experts_TK):
-        """0 when every device receives at most R rows, else 1 (the counts are summed over the group: one
-        answer). The branch index of `lax.switch` over (ragged, padded): the ragged one first, which is the
-        branch `hlo_traffic` counts."""
-        count_n = jnp.bincount(experts_TK.reshape(-1) // (w[0].shape[0]), length=n)
-        return (jnp.max(jax.lax.psum(count_n, "expert")) > R).astype(jnp.int32)
+def _in_rounds(x_MD, w, sent, one, R: int):
+    """The sum of `one`'s rounds, as many as the most loaded receiver needs (the same on every device, from
+    the all-gathered counts): one when no receiver gets more than R rows, the usual case, which runs without
+    a loop.
 
-    @jax.custom_vjp
-    def bounded(x, g, w, e):
-        return jax.lax.switch(overflow(e), (ragged, padded), x, e, g, *w)
+    A loop of data-dependent length has no reverse-mode rule, so this is a custom VJP whose backward runs
+    the same rounds, each recomputing its forward and differentiating it; only R-row buffers are ever live.
+    Several rounds sum their weight gradients in the weights' dtype; one round's are the single pass's.
+    The one-round branch is the conditional's first, the one `hlo_traffic` counts."""
+    rounds = lambda sent: -(-jnp.max(sent.sum((0, 2))) // R)
 
-    def fwd(x, g, w, e):
-        return bounded(x, g, w, e), (x, g, w, e)
+    def forward(x, w, sent):
+        loop = lambda: jax.lax.fori_loop(0, rounds(sent), lambda r, y: y + one(x, w, sent, r), jnp.zeros_like(x))
+        return jax.lax.cond(rounds(sent) > 1, loop, lambda: one(x, w, sent, 0))
 
-    def bwd(res, ct):
-        x, g, w, e = res
+    def backward(x, w, sent, ct):
+        grads = lambda r: jax.vjp(lambda x, w: one(x, w, sent, r), x, w)[1](ct)
+        add = lambda r, acc: jax.tree.map(jnp.add, acc, grads(r))
+        zeros = jax.tree.map(jnp.zeros_like, (x, w))
+        return jax.lax.cond(rounds(sent) > 1, lambda: jax.lax.fori_loop(0, rounds(sent), add, zeros), lambda: grads(0))
 
-        def grads(fn):
-            return lambda x, g, *w: jax.vjp(lambda x, g, *w: fn(x, e, g, *w), x, g, *w)[1](ct)
-
-        dx, dg, *dw = jax.lax.switch(overflow(e), (grads(ragged), grads(padded)), x, g, *w)
-        return dx, dg, tuple(dw), None
-
-    bounded.defvjp(fwd, bwd)
-    return bounded(x_TD, weights_TK, tuple(w), experts_TK)
+    rows = jax.custom_vjp(forward)
+    rows.defvjp(lambda x, w, sent: (forward(x, w, sent), (x, w, sent)), lambda res, ct: (*backward(*res, ct), None))
+    return rows(x_MD, tuple(w), sent)
 
 
 def exchange_kind(a2a: str, n: int) -> str:

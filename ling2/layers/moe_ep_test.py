@@ -102,7 +102,8 @@ def test_ep_needs_batch_sharded_over_expert_and_divisible_experts():
 def test_ragged_ep_layer_equals_single_device(expert, capacity, skew, monkeypatch):
     """The ragged exchange (moe_ep_all_to_all=emulated). Receive bound: capacity 0, room for every row; 2.5
     (this routing sends one shard 2.4x its share), 0.6 of every row; 1.0 with a bias that sends most tokens
-    to two experts: the bound overflows, the padded exchange runs instead, and no token is dropped."""
+    to two experts: some shard is sent more rows than the bound, the exchange runs in rounds, and no token is
+    dropped."""
     assert jax.device_count() == 8
     cfg = load_config(model_name="ling2-tiny", load_balance_loss_weight=0.01, moe_z_loss_weight=0.001,
                       moe_ep_all_to_all="emulated", moe_ep_capacity_factor=capacity)
