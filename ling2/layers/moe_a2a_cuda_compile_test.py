@@ -1,6 +1,6 @@
 """The ragged expert exchange through the real XLA:GPU compiler for 4 H100s (cuda venv, no GPU attached):
 `exchange` and its custom VJP (the exchange the other way) compile to ragged all-to-alls, which is why
-moe_ep_all_to_all=auto takes the ragged exchange on GPUs (the TPU side: moe_tpu_compile_test)."""
+moe_ep_all_to_all=auto takes the ragged exchange on GPUs (the TPU side: tests/moe_ep_tpu_compile_test.py)."""
 
 import jax
 import jax.numpy as jnp

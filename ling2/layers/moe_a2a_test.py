@@ -2,7 +2,7 @@
 
 XLA:CPU cannot run `ragged_all_to_all`, so on CPU the exchange runs `emulated` (the same plans, moved by
 padded collectives); that the real op lowers, forward and backward, with the plans built here is checked
-through the real TPU compiler in `moe_tpu_compile_test`.
+through the real TPU compiler in `tests/moe_ep_tpu_compile_test.py`.
 
 Reference: numpy's reading of ragged_all_to_all's contract (each sender's run for peer j, written at the
 offset the sender names, into j's zeroed buffer) for the exchange and its transpose. The MoE layer with the

@@ -1,7 +1,7 @@
 """Expert parallelism on 8 fake CPU devices (expert=4 x data=2, and expert=4 x fsdp=2): forward and gradients equal the
 single-device dropless result (the reference here is the same layer with no mesh, itself checked
 against a float64 numpy loop in moe_test.py), with the padded exchange and the ragged one (`emulated`:
-XLA:CPU cannot run ragged all-to-all; the real op is compiled for TPU in moe_tpu_compile_test.py)."""
+XLA:CPU cannot run ragged all-to-all; the real op is compiled for TPU in tests/moe_ep_tpu_compile_test.py)."""
 
 import jax
 import jax.numpy as jnp

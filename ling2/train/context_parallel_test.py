@@ -139,9 +139,10 @@ def reference_ep():
 @pytest.mark.parametrize("expert", [2, 4, 8])
 def test_ragged_expert_parallel_step_equals_one_device(expert):
     """A whole train step with the ragged expert-parallel exchange (moe_ep_all_to_all), expert axis 2, 4, 8:
-    the same loss, gradients and updated parameters as one device. XLA:CPU cannot run ragged all-to-all, so
-    the exchange runs `emulated` (the ragged plans carried out by padded collectives); the real op is
-    compiled, forward and backward, by the TPU compiler in ling2/layers/moe_tpu_compile_test.py."""
+    the same loss, gradients and updated parameters as one device, with the default receive bound (2x the
+    balanced share: the bounded exchange's custom VJP). XLA:CPU cannot run ragged all-to-all, so the exchange
+    runs `emulated` (the ragged plans carried out by padded collectives); the real op is compiled, forward
+    and backward, by the TPU compiler in tests/moe_ep_tpu_compile_test.py."""
     batch, (loss1, grads1, params1), floor = reference_ep()
     cfg = load_config(MODELS["ling2-micro"], COMMON, ici_fsdp_parallelism=1, ici_data_parallelism=1,
                       ici_expert_parallelism=expert, moe_ep_all_to_all="emulated")

@@ -85,11 +85,12 @@ PLANS.update({
 # Expert-parallel exchange (issue 28): "auto" is the ragged all-to-all on TPU, its receive buffers bounded at
 # twice the balanced share (the default); these run the padded exchange and the unbounded ragged one beside it.
 PLANS.update({f"{name} padded": (PLANS[name][0], 1, [*PLANS[name][2], "moe_ep_all_to_all=padded"])
-              for name in ("v5p-64", "v5p-256")})
+              for name in ("v5p-64", "v5p-256", "ling2 h100-64", "ling3 h100-64")})
 PLANS.update({f"{name} ragged unbounded": (PLANS[name][0], 1, [*PLANS[name][2], "moe_ep_capacity_factor=0"])
               for name in ("v5p-64", "v5p-256")})
 BASELINE = {"v5p-64 full logits": "v5p-64", "v5p-64 padded": "v5p-64", "v5p-256 padded": "v5p-256",
-            "v5p-64 ragged unbounded": "v5p-64", "v5p-256 ragged unbounded": "v5p-256"}
+            "v5p-64 ragged unbounded": "v5p-64", "v5p-256 ragged unbounded": "v5p-256",
+            "ling2 h100-64 padded": "ling2 h100-64", "ling3 h100-64 padded": "ling3 h100-64"}
 
 
 def run_plan(name, topology, num_slices, overrides, outdir):
