@@ -125,6 +125,14 @@ def test_wrong_type_names_field():
         load_config(dtype="float33")
 
 
+@pytest.mark.parametrize("key,value", [("moe_ep_capacity_factor", "nan"), ("learning_rate", "inf"),
+                                       ("rope_factor", "-inf")])
+def test_non_finite_floats_name_the_field(key, value):
+    """nan and inf are refused in every float field (never a NaN step or an unbounded buffer later)."""
+    with pytest.raises(ConfigError, match=rf"{key} \(from override\).*finite number.*'{value}'"):
+        load_config(model_name="ling2-tiny", **{key: value})
+
+
 def test_malformed_override():
     with pytest.raises(ConfigError, match="expected key=value"):
         load_config("num_experts")

@@ -30,7 +30,8 @@ REMOVED_KEYS = {
 
 
 class _Group(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, protected_namespaces=(),
+                              allow_inf_nan=False)
 
 
 def _f(description: str, **constraints):
@@ -295,7 +296,8 @@ GROUPS = (Model, Rope, LinearAttention, Mla, MoE, DeepSeekMoE, Mtp, Data, Tokeni
 class Config(*GROUPS):
     """The resolved config. Build it with `ling2.config.load_config`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, protected_namespaces=(),
+                              allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _check(self) -> "Config":

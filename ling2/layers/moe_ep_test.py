@@ -30,6 +30,17 @@ def loss_and_grads(m, x, ct):
     return y, counts, gm, gx
 
 
+def moe_case(cfg, gmm, tokens, skew=0.0):
+    """The layer (expert bias random, the first two experts' raised by `skew`), 8 x `tokens` inputs, a
+    cotangent, and the jitted step: the one-device run and the mesh run share them."""
+    m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0), gmm=gmm)
+    bias = jax.random.normal(jax.random.key(3), (cfg.num_experts,)) * 0.05
+    m.gate.expert_bias[...] = bias.at[:2].add(skew)
+    x = jax.random.normal(jax.random.key(1), (8, tokens, cfg.base_emb_dim))
+    ct = jax.random.normal(jax.random.key(2), x.shape)
+    return m, x, ct, nnx.jit(loss_and_grads)
+
+
 def assert_same(one, mesh_run, nonzero_grads=False):
     """Outputs, expert counts and every gradient of a mesh step equal the one-device step's."""
     (y1, c1, gm1, gx1), (y8, c8, gm8, gx8) = one, mesh_run
@@ -49,12 +60,7 @@ def test_ep_forward_and_grads_equal_single_device(gmm, data, expert, fsdp, monke
     assert jax.device_count() == 8
     cfg = load_config(model_name="ling2-tiny", load_balance_loss_weight=0.01, moe_z_loss_weight=0.001,
                       base_moe_mlp_dim=128)  # megablox's tiles: multiples of 128
-    m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0), gmm=gmm)
-    m.gate.expert_bias[...] = jax.random.normal(jax.random.key(3), (cfg.num_experts,)) * 0.05
-    x = jax.random.normal(jax.random.key(1), (8, 4, cfg.base_emb_dim))
-    ct = jax.random.normal(jax.random.key(2), x.shape)
-    step = nnx.jit(loss_and_grads)
-
+    m, x, ct, step = moe_case(cfg, gmm, 4)
     one = step(m, x, ct)
     traced = []
     real = moe_ep.dropless_ep
@@ -107,12 +113,7 @@ def test_ragged_ep_layer_equals_single_device(expert, capacity, skew, monkeypatc
     assert jax.device_count() == 8
     cfg = load_config(model_name="ling2-tiny", load_balance_loss_weight=0.01, moe_z_loss_weight=0.001,
                       moe_ep_all_to_all="emulated", moe_ep_capacity_factor=capacity)
-    m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0), gmm="tiled")
-    bias = jax.random.normal(jax.random.key(3), (cfg.num_experts,)) * 0.05
-    m.gate.expert_bias[...] = bias.at[:2].add(skew)
-    x = jax.random.normal(jax.random.key(1), (8, 16, cfg.base_emb_dim))
-    ct = jax.random.normal(jax.random.key(2), x.shape)
-    step = nnx.jit(loss_and_grads)
+    m, x, ct, step = moe_case(cfg, "tiled", 16, skew)
     one = step(m, x, ct)
     kinds = []
     real = moe_ep._local_ragged

@@ -10,7 +10,7 @@ bytes x (n-1)/n, collective-permute its buffer. A ragged all-to-all moves rows d
 charged the smaller of its operand and its output buffer, x (n-1)/n as all-to-all. For the MoE exchange that
 is exactly the rows each device sends on average (every routed row moves once, whatever the routing; a
 skewed routing loads some links more). A conditional counts its first branch (for the bounded ragged MoE
-exchange: the ragged one, which `moe_ep` lists first and which runs unless the routing overflows).
+exchange: its single round, which `moe_ep` lists first and which runs unless the routing overflows the bound).
 
 HBM: every top-level instruction (a fusion is one) reads its operands and writes its result once; bitcasts,
 tuples, parameters, constants and control flow move nothing themselves; a dynamic slice reads its slice

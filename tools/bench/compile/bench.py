@@ -106,7 +106,7 @@ def run_plan(name, topology, num_slices, overrides, outdir):
     every = list(proc.stdout)
     _, status, usage = os.wait4(proc.pid, 0)  # the child's own peak RSS (kB on Linux)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    lines = [line for line in every if not line.startswith(("W1", "I1", "E0", " "))]  # not libtpu's log
+    lines = [line for line in every if not line.startswith(("W1", "I1", "E0"))]  # libtpu's log lines
     print("".join(lines[-25:]), flush=True)
     plan = json.load(open(out)) if os.path.exists(out) else {"error": [x.strip() for x in lines[-3:]]}
     plan.update(libtpu_hbm(every))
