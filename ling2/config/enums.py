@@ -4,7 +4,8 @@ import enum
 from typing import Literal
 
 
-ModelName = Literal["default", "ling2", "ling2-tiny", "ling2-small", "ling2-micro", "ling3", "ling3-tiny", "ling3-small"]
+ModelName = Literal["default", "ling2", "ling2-tiny", "ling2-small", "ling2-micro", "ling2-1gpu", "ling3", "ling3-tiny",
+                    "ling3-small", "ling3-1gpu"]
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 Profiler = Literal["", "xplane"]
@@ -13,7 +14,7 @@ ScoreFunc = Literal["sigmoid", "softmax"]
 RopeType = Literal["default", "yarn"]
 RematPolicy = Literal["none", "full", "save_dot"]
 AttentionKernel = Literal["blocked", "dot_product", "cudnn", "flash"]
-GmmBackend = Literal["auto", "ragged_dot", "tiled", "blocked", "megablox"]
+GmmBackend = Literal["auto", "ragged_dot", "tiled", "blocked", "pallas_gpu", "megablox"]
 EpAllToAll = Literal["auto", "ragged", "padded", "emulated"]
 GlaBackend = Literal["auto", "chunked", "naive", "quadratic", "pallas_tpu", "pallas_gpu"]
 LrSchedule = Literal["cosine", "wsd", "constant", "wsm"]

@@ -135,8 +135,9 @@ class MoE(_Group):
     sparse_matmul: bool = _f("True: sort + grouped matmul (dropless). False: dense einsum with capacity.")
     moe_gmm_backend: T.GmmBackend = _f(
         "Dropless grouped matmul: 'ragged_dot', 'tiled' (fast on CPU), 'blocked' (batched matmuls over "
-        "expert-pure row blocks; XLA:GPU runs ragged_dot dense over the experts), 'megablox' (Pallas TPU kernels; "
-        "interpreted elsewhere), or 'auto' (tiled on CPU, megablox on TPU, blocked on CUDA GPUs).")
+        "expert-pure row blocks; XLA:GPU runs ragged_dot dense over the experts), 'pallas_gpu' (Pallas Triton "
+        "grouped matmul reading each expert's weights in place; interpreted on CPU), 'megablox' (Pallas TPU "
+        "kernels; interpreted elsewhere), or 'auto' (tiled on CPU, megablox on TPU, pallas_gpu on CUDA GPUs).")
     moe_ep_all_to_all: T.EpAllToAll = _f(
         "Expert-parallel token exchange: 'ragged' (jax.lax.ragged_all_to_all: each peer gets exactly its rows; "
         "TPU and GPU), 'padded' (all_to_all of a worst-case [n, rows] buffer per peer; any platform), 'emulated' "

@@ -161,18 +161,25 @@ def splash_context_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, rules, *
 
 
 def cudnn_fits(K, V):
-    """cuDNN's fused attention (through JAX) takes head dims <= 128 in multiples of 8; v is padded to q's."""
-    return K <= 128 and K % 8 == 0 and V <= K
+    """cuDNN's fused attention (through JAX) takes head dims in multiples of 8 up to 128, and up to 256 on
+    Hopper and later GPUs (JAX asks the GPU it runs on: Ling2's 192 fits an H100, not an A100); v is padded
+    to q's."""
+    return K % 8 == 0 and V <= K and (K <= 128 or _cudnn_takes_head_dim(K))
 
 
 @functools.cache
 def _have_cudnn() -> bool:
     """Whether this JAX install can build cuDNN attention at all (its CUDA plugin finds cuDNN); without it,
     nothing here lowers for CUDA either."""
-    x = jax.ShapeDtypeStruct((1, 8, 1, 8), jnp.bfloat16)
+    return _cudnn_takes_head_dim(8)
+
+
+@functools.cache
+def _cudnn_takes_head_dim(K: int) -> bool:
+    x = jax.ShapeDtypeStruct((1, 8, 1, K), jnp.bfloat16)
     try:
         jax.eval_shape(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation="cudnn"), x)
-    except RuntimeError:
+    except (RuntimeError, NotImplementedError, ValueError):
         return False
     return True
 

@@ -7,6 +7,7 @@ values and gradients. Needs a GPU (fails, does not skip, without one); tagged `m
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ling2.layers import attention_mla
 
@@ -14,8 +15,9 @@ if jax.default_backend() != "gpu":
     raise RuntimeError(f"attention_mla_gpu_device_test needs a GPU; JAX's default backend is {jax.default_backend()!r}")
 
 
-def test_cudnn_attention_on_device_matches_plain_attention():
-    B, T, H, K, V = 2, 1024, 4, 96, 64
+@pytest.mark.parametrize("K,V", [(96, 64), (192, 128)])  # ling2-small's head dims; ling2's (Hopper and later)
+def test_cudnn_attention_on_device_matches_plain_attention(K, V):
+    B, T, H = 2, 1024, 4
     r = np.random.default_rng(5)
     q, k = (r.standard_normal((B, T, H, K)).astype(np.float32) for _ in range(2))
     v = r.standard_normal((B, T, H, V)).astype(np.float32)

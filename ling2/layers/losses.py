@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ling2.layers.embed import logits_einsum
 from ling2.layers.sharding import constrain
 
 F32 = jnp.float32
@@ -43,7 +44,7 @@ def head_logits(hidden_BTE, kernel, *, compute_dtype=None, logits_dtype=F32, tie
     """Full logits [B, T, V] as LMHead (kernel [E, V]) or Embed.attend (tied: embedding [V, E]) make them."""
     cd = jnp.dtype(compute_dtype or hidden_BTE.dtype)
     spec = "bte,ve->btv" if tied else "bte,ev->btv"
-    logits = jnp.einsum(spec, hidden_BTE.astype(cd), kernel.astype(cd), preferred_element_type=jnp.dtype(logits_dtype))
+    logits = logits_einsum(spec, hidden_BTE.astype(cd), kernel.astype(cd), jnp.dtype(logits_dtype))
     return constrain(logits, _LOGITS_NAMES)
 
 
@@ -188,7 +189,8 @@ def _blocked_fwd(x_BTE, kernel, targets_BT, weights_BT, plan, cd, ld):
 
 def _blocked_bwd(plan, cd, ld, res, g):
     """d hidden accumulates over blocks in fp32; each block's d kernel lands in place in the kernel's layout.
-    Casts follow autodiff of `head_logits` (d kernel rounded to the compute dtype, then the kernel's)."""
+    Casts follow `head_logits` (embed.logits_einsum): each block's logits cotangent is rounded to the compute
+    dtype before its two GEMMs, d kernel is rounded to the compute dtype, then the kernel's."""
     x_BTE, kernel, targets_BT, weights_BT, lse, tgt, hit = res
     g_ce, g_n, g_hits = g
     kv = plan.view(kernel)
@@ -202,13 +204,13 @@ def _blocked_bwd(plan, cd, ld, res, g):
         w = plan.block(kv, j).astype(cd)
         z = _block_logits(x, w, new, plan, ld)
         dz = (jnp.exp(z - lse[..., None]) - ((ids == tgt_ids[..., None]) & new)) * scale[..., None]
-        dz = constrain(dz.astype(ld), _LOGITS_NAMES)
+        dz = constrain(dz.astype(ld).astype(cd), _LOGITS_NAMES)
         if plan.tied:
             dx = dx + jnp.einsum("btc,ce->bte", dz, w, preferred_element_type=F32)
-            dw = jnp.einsum("bte,btc->ce", x, dz, preferred_element_type=ld)
+            dw = jnp.einsum("bte,btc->ce", x, dz, preferred_element_type=F32)
         else:
             dx = dx + jnp.einsum("btc,ec->bte", dz, w, preferred_element_type=F32)
-            dw = jnp.einsum("bte,btc->ec", x, dz, preferred_element_type=ld)
+            dw = jnp.einsum("bte,btc->ec", x, dz, preferred_element_type=F32)
         dw = plan.view(dw.astype(cd).astype(kernel.dtype), plan.c)
         start = plan.start(j)
         if plan.overlaps:  # columns counted before have dw == 0 here: add, do not overwrite

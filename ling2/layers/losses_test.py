@@ -17,7 +17,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from ling2.config import load_config
 from ling2.config.schema import MESH_AXES
 from ling2.layers import losses, sharding
-from ling2.layers.embed import Embed, LMHead
+from ling2.layers.embed import Embed, LMHead, logits_einsum
 from ling2.config.specs import EmbedSpec
 
 F32 = jnp.float32
@@ -229,3 +229,22 @@ def test_sharded_equals_single_device(mesh_sizes):
         close(gk8, gk1, 1e-6)
         if shards == t:
             assert gk8.sharding.spec[1] == "tensor"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_logits_backward_rounds_the_cotangent_to_the_compute_dtype(dtype):
+    """logits_einsum's VJP against numpy (float64): the operands' gradients are the products of the logits'
+    cotangent rounded to the operands' dtype (bf16) or kept (fp32: plain autodiff), accumulated in fp32."""
+    r = np.random.default_rng(7)
+    x = jnp.asarray(r.standard_normal((2, 5, 16)), dtype)
+    w = jnp.asarray(r.standard_normal((16, 40)), dtype)
+    dz = jnp.asarray(r.standard_normal((2, 5, 40)), F32)
+    y, vjp = jax.vjp(lambda x, w: logits_einsum("bte,ev->btv", x, w, F32), x, w)
+    dx, dw = vjp(dz)
+    assert y.dtype == F32 and dx.dtype == dtype and dw.dtype == dtype
+    dzr = np.asarray(dz.astype(dtype), np.float64)
+    xn, wn = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    tol = 1e-5 if dtype == jnp.float32 else 2.0 ** -8
+    for got, want in ((dx, np.einsum("btv,ev->bte", dzr, wn)), (dw, np.einsum("bte,btv->ev", xn, dzr))):
+        got = np.asarray(got, np.float64)
+        assert np.all(np.abs(got - want) <= tol * np.abs(want) + 1e-5), np.abs(got - want).max()

@@ -53,8 +53,7 @@ def _local(x_TD, experts_TK, weights_TK, w, *, n: int, gmm: str, q=None):
     """Per-device body. w are this shard's experts [E/n, ...]."""
     T, K = experts_TK.shape
     M, e_loc = T * K, w[0].shape[0]
-    order_M, gs_E = X.sort_by_expert(experts_TK, e_loc * n)
-    inv_M = jnp.argsort(order_M)
+    order_M, inv_M, gs_E = X.sort_by_expert(experts_TK, e_loc * n)
     x_MD = gather_rows(x_TD, order_M // K, inv_M, K)
     # Rows for shard s are sorted rows [start_s, start_s + count_s): pad each into M slots.
     count_n = gs_E.reshape(n, e_loc).sum(1)
@@ -71,9 +70,10 @@ def _local(x_TD, experts_TK, weights_TK, w, *, n: int, gmm: str, q=None):
 
     # Local grouped matmul over what arrived; padding rows (id e_loc) sort last and stay zero.
     lorder = jnp.argsort(rids, stable=True)
+    linv = X.invert(lorder)
     lgs = jnp.bincount(rids, length=e_loc + 1)[:e_loc].astype(jnp.int32)
-    y_sorted = grouped_ffn(recv_nMD.reshape(n * M, -1)[lorder], lgs, w, gmm, q=q)
-    y_nMD = y_sorted[jnp.argsort(lorder)].reshape(n, M, -1)
+    y_sorted = grouped_ffn(gather_rows(recv_nMD.reshape(n * M, -1), lorder, linv, 1), lgs, w, gmm, q=q)
+    y_nMD = gather_rows(y_sorted, linv, lorder, 1).reshape(n, M, -1)
 
     back_nMD = jax.lax.all_to_all(y_nMD, "expert", 0, 0, tiled=False)
     r = jnp.arange(M)
@@ -99,8 +99,7 @@ def _local_ragged(x_TD, experts_TK, weights_TK, w, *, n: int, gmm: str, q=None, 
     T, K = experts_TK.shape
     M, e_loc = T * K, w[0].shape[0]
     R = recv_rows(M, n, capacity_factor)
-    order_M, gs_E = X.sort_by_expert(experts_TK, e_loc * n)
-    inv_M = jnp.argsort(order_M)
+    order_M, inv_M, gs_E = X.sort_by_expert(experts_TK, e_loc * n)
     x_MD = gather_rows(x_TD, order_M // K, inv_M, K)
     sent = jax.lax.all_gather(gs_E.reshape(n, e_loc), "expert")  # [sender, receiver, receiver's expert]: rows
     one = partial(_round, R=R, gmm=gmm, q=q, emulated=emulated)
@@ -123,7 +122,7 @@ def _round(x_MD, w, sent, r, *, R: int, gmm: str, q, emulated: bool):
     seg_R = jnp.searchsorted(jnp.cumsum(mine), at_R, side="right")
     e_R = jnp.where(at_R < mine.sum(), seg_R % e_loc, e_loc)
     lorder = jnp.argsort(e_R, stable=True)
-    linv = jnp.argsort(lorder)
+    linv = X.invert(lorder)
     gs = jnp.bincount(e_R, length=e_loc + 1)[:e_loc].astype(jnp.int32)
     y_sorted = grouped_ffn(gather_rows(recv_RD, lorder, linv, 1), gs, w, gmm, q=q)
     return moe_a2a.exchange(gather_rows(y_sorted, linv, lorder, 1), x_MD.shape[0], combine, dispatch, "expert",

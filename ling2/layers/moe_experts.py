@@ -65,23 +65,33 @@ class RoutedExperts(nnx.Module):
 
 
 def sort_by_expert(experts_TK, num_experts: int):
-    """Stable order of the M flattened assignments by expert id, and the group sizes [E]."""
+    """The M flattened assignments in expert order, stable (by assignment index within an expert): order_M
+    (sorted position -> assignment t*K+k), its inverse inv_M (assignment -> sorted position) and the group
+    sizes gs_E [E]. One sort: the inverse is a scatter (`invert`)."""
     flat_M = experts_TK.reshape(-1)
     order_M = jnp.argsort(flat_M, stable=True)
-    return order_M, jnp.bincount(flat_M, length=num_experts).astype(jnp.int32)
+    return order_M, invert(order_M), jnp.bincount(flat_M, length=num_experts).astype(jnp.int32)
+
+
+def invert(order_M):
+    """The inverse of the permutation order_M, [M]: equal to argsort(order_M), by a scatter of iota instead
+    of a second sort."""
+    iota_M = jnp.arange(order_M.shape[0], dtype=order_M.dtype)
+    return jnp.zeros_like(order_M).at[order_M].set(iota_M, unique_indices=True)
 
 
 def combine(y_TKD, weights_TK, dtype):
-    """sum_k w_k * y_k, in fp32."""
-    return jnp.einsum("tkd,tk->td", y_TKD.astype(F32), weights_TK.astype(F32)).astype(dtype)
+    """sum_k w_k * y_k [T, D] in `dtype`. y [T, K, D] stays in the activation dtype and the router weights
+    in theirs (fp32); products and sum are fp32 (preferred_element_type), the values of the fp32 formula,
+    with no fp32 copy of y: the backward keeps y as it is, and the weights' gradient comes back fp32."""
+    return jnp.einsum("tkd,tk->td", y_TKD, weights_TK, preferred_element_type=F32).astype(dtype)
 
 
 def dropless(x_TD, experts_TK, weights_TK, w, gmm: str, *, partitioned: bool = False, q: fp8.Fp8 | None = None):
     """Routed output [T, D]: every assignment is computed (sort, grouped matmul, unsort).
     `partitioned`, `q`: see `moe_gmm.grouped_ffn`."""
     T, K = experts_TK.shape
-    order_M, gs_E = sort_by_expert(experts_TK, w[0].shape[0])
-    inv_M = jnp.argsort(order_M)  # assignment t*K+k -> its sorted position
+    order_M, inv_M, gs_E = sort_by_expert(experts_TK, w[0].shape[0])
     x_MD = gather_rows(x_TD, order_M // K, inv_M, K)
     y_MD = grouped_ffn(x_MD, gs_E, w, gmm, partitioned=partitioned, q=q)
     y_TKD = gather_rows(y_MD, inv_M, order_M, 1).reshape(T, K, -1)

@@ -10,13 +10,17 @@ dim, F expert width.
   "blocked": XLA:GPU lowers ragged_dot's backward dense over the experts too (E times the work and
   memory: 151 GiB for ling2-small's step at 32K tokens, tools/bench/gpu/NOTES.md), so each expert's
   rows are padded to whole blocks and run as batched matmuls against per-block gathered weights.
+  "pallas_gpu": Ling2's Pallas Triton grouped matmul (ling2.kernels.gmm.pallas_gpu): each program reads its
+  block of the expert's weights straight from the stacked weights, forward and both backward products, with
+  under one row tile of extra work per expert. Interpreted on CPU.
   "megablox": the Pallas TPU grouped-matmul kernels JAX ships (megablox `gmm`/`tgmm`, MaxText's
   TPU default). XLA:TPU lowers ragged_dot to grouped Mosaic kernels of its own, but counts them
   dense over the local experts in its cost analysis (11x the grouped FLOPs at 32 experts), and
   model_name=ling2's train step compiles several times slower with them (tools/bench/moe and
   tools/bench/compile NOTES). Interpreted on CPU.
   "auto": tiled on CPU, megablox on TPU (ragged_dot where the model dim and expert width share
-  no multiple of 128, as in test models, or where XLA partitions the call), blocked on CUDA GPUs,
+  no multiple of 128, as in test models, or where XLA partitions the call), pallas_gpu on CUDA GPUs
+  (blocked where XLA partitions the call),
   ragged_dot elsewhere, decided for the platform the computation is lowered for (`jax.lax.platform_dependent`),
   not the host's: a CPU host compiling for TPU builds what a TPU host would.
 With quantization=fp8 (`q`, ling2.layers.fp8) every grouped matmul is an FP8 product: "blocked" (its batched
@@ -30,12 +34,13 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from ling2.kernels.gmm import pallas_gpu as gmm_pallas_gpu
 from ling2.layers import fp8
 
 F32 = jnp.float32
 
 
-GMMS = ("auto", "ragged_dot", "tiled", "blocked", "megablox")
+GMMS = ("auto", "ragged_dot", "tiled", "blocked", "pallas_gpu", "megablox")
 
 
 def ffn_ragged_dot(x_MD, group_sizes_E, wg, wu, wd, q: fp8.Fp8 | None = None):
@@ -199,6 +204,15 @@ def ffn_blocked(x_MD, group_sizes_E, wg, wu, wd, block: int = 128, step_bytes: i
     return y_NbD.reshape(N * b, D).at[dest_M].get(mode="fill", fill_value=0)
 
 
+def ffn_pallas_gpu(x_MD, group_sizes_E, wg, wu, wd, *, interpret: bool = False):
+    """Same contract as `ffn_ragged_dot`, by the Pallas Triton grouped matmul (gate and up as one [D, 2F]
+    product); its backward is the kernel's own (a transposed grouped matmul for dx, one per expert for dw)."""
+    mm = lambda a, w: gmm_pallas_gpu.grouped_matmul(a, w, group_sizes_E, interpret=interpret)
+    F = wd.shape[1]
+    g, u = jnp.split(mm(x_MD, jnp.concatenate([wg, wu], axis=-1).astype(x_MD.dtype)), [F], axis=-1)
+    return mm(jax.nn.silu(g) * u, wd.astype(x_MD.dtype))
+
+
 def megablox_tile(D: int, F: int, interpret: bool = False) -> int | None:
     """Tile of megablox's contracted and output dims: the same for both (its backward swaps them),
     dividing D and F, a multiple of 128 for Mosaic (any common divisor when interpreted). None if
@@ -247,7 +261,8 @@ def grouped_ffn(x_MD, group_sizes_E, w, gmm: str = "auto", *, partitioned: bool 
     if gmm == "auto":
         mosaic = not partitioned and megablox_tile(x_MD.shape[1], w[2].shape[1])
         tpu = ffn_megablox if mosaic else ffn_ragged_dot
-        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=ffn_tiled, tpu=tpu, cuda=ffn_blocked,
+        cuda = ffn_blocked if partitioned else ffn_pallas_gpu
+        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=ffn_tiled, tpu=tpu, cuda=cuda,
                                           default=ffn_ragged_dot)
     if gmm == "ragged_dot":
         return ffn_ragged_dot(x_MD, group_sizes_E, *w)
@@ -255,6 +270,9 @@ def grouped_ffn(x_MD, group_sizes_E, w, gmm: str = "auto", *, partitioned: bool 
         return ffn_tiled(x_MD, group_sizes_E, *w)
     if gmm == "blocked":
         return ffn_blocked(x_MD, group_sizes_E, *w)
+    if gmm == "pallas_gpu":
+        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=partial(ffn_pallas_gpu, interpret=True),
+                                          default=ffn_pallas_gpu)
     if gmm == "megablox":
         return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, tpu=ffn_megablox,
                                           default=partial(ffn_megablox, interpret=True))

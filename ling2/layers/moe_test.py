@@ -164,7 +164,7 @@ def test_unnormalised_sigmoid_weights_are_the_scaled_scores():
 # ---- full layer -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path,renorm", [("tiled", True), ("ragged_dot", True), ("blocked", True), ("megablox", True),
-                                         ("dense", True),
+                                         ("pallas_gpu", True), ("dense", True),
                                          ("tiled", False), ("dense", False)])
 def test_output_matches_numpy_loop(path, renorm):
     cfg = tiny(sparse_matmul=path != "dense", capacity_factor=-1.0, sigmoid_renormalize=renorm,
@@ -416,7 +416,8 @@ def test_grouped_ffn_impls_and_grads_match_plain_reference():
              "blocked": lambda x, *w: moe_gmm.grouped_ffn(x, gs, w, "blocked"),
              "blocked_8_row_blocks": lambda x, *w: moe_gmm.ffn_blocked(x, gs, *w, block=8),
              "blocked_in_steps": lambda x, *w: moe_gmm.ffn_blocked(x, gs, *w, block=8, step_bytes=2 * 3 * D * F * 4),
-             "megablox": lambda x, *w: moe_gmm.ffn_megablox(x, gs, *w, interpret=True)}  # any dims interpreted
+             "megablox": lambda x, *w: moe_gmm.ffn_megablox(x, gs, *w, interpret=True),  # any dims interpreted
+             "pallas_gpu": lambda x, *w: moe_gmm.grouped_ffn(x, gs, w, "pallas_gpu")}
     for gmm, impl in impls.items():
         f = jax.jit(impl)
         np.testing.assert_allclose(f(x, *w), want, rtol=1e-4, atol=1e-4, err_msg=gmm)
@@ -460,3 +461,128 @@ def test_dispatch_path_refuses_megablox_partitioned_by_xla():
     with pytest.raises(ValueError, match="megablox: a tensor-parallel mesh without expert parallelism"):
         moe.dispatch_path(sparse_matmul=True, gmm="megablox", mesh_shape={"data": 4, "expert": 1, "tensor": 2},
                           tokens=4096, k=8, num_experts=64)
+
+
+# ---- dropless dispatch: one sort, the combine in the activation dtype -----------------------------
+
+def count_eqns(jaxpr, name: str) -> int:
+    """Equations of primitive `name` in a jaxpr and every jaxpr nested in its equations' params."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == name
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    n += count_eqns(sub, name)
+    return n
+
+
+def routing(key, T: int, K: int, E: int, used: int):
+    """Expert ids [T, K] drawn from `used` of the E experts (the others get no rows)."""
+    k1, k2 = jax.random.split(key)
+    ids_U = jax.random.choice(k1, E, (used,), replace=False)
+    return ids_U[jax.random.randint(k2, (T, K), 0, used)]
+
+
+@pytest.mark.parametrize("T,K,E,used", [(37, 4, 16, 5), (64, 8, 64, 64), (50, 1, 8, 3), (16, 2, 4, 1), (3, 8, 32, 20)])
+def test_sort_by_expert_equals_double_argsort(T, K, E, used):
+    """order_M is the stable argsort of the flattened ids, inv_M what a second argsort of it gave, the group
+    sizes their bincount: on random routings with empty experts (used=1: every row to one expert)."""
+    for seed in range(3):
+        experts_TK = routing(jax.random.key(seed), T, K, E, used)
+        order_M, inv_M, gs_E = jax.jit(moe_experts.sort_by_expert, static_argnums=1)(experts_TK, E)
+        flat_M = np.asarray(experts_TK).reshape(-1)
+        want_M = np.asarray(jnp.argsort(jnp.asarray(flat_M), stable=True))
+        np.testing.assert_array_equal(want_M, np.argsort(flat_M, kind="stable"))
+        np.testing.assert_array_equal(order_M, want_M)
+        np.testing.assert_array_equal(inv_M, np.asarray(jnp.argsort(jnp.asarray(want_M))))
+        np.testing.assert_array_equal(gs_E, np.bincount(flat_M, minlength=E))
+        assert (np.asarray(gs_E) == 0).sum() >= E - used
+
+
+@pytest.mark.parametrize("gmm", ["tiled", "ragged_dot", "blocked"])
+def test_dropless_sorts_once_forward_and_backward(gmm):
+    T, K, E, D, F = 24, 4, 8, 16, 8
+    w = tuple(jnp.zeros(s) for s in [(E, D, F), (E, D, F), (E, F, D)])
+    experts_TK = routing(jax.random.key(0), T, K, E, 6)
+
+    def loss(x, weights_TK, w):
+        return moe_experts.dropless(x, experts_TK, weights_TK, w, gmm).sum()
+
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(jnp.zeros((T, D)), jnp.zeros((T, K)), w)
+    assert count_eqns(jaxpr.jaxpr, "sort") == 1
+
+
+@pytest.mark.parametrize("dtype,gmm", [("float32", "tiled"), ("bfloat16", "tiled"), ("bfloat16", "ragged_dot")])
+def test_layer_output_and_grads_unchanged_by_single_sort(dtype, gmm, monkeypatch):
+    """Output and every gradient bit for bit against the same layer whose inverse permutation is a second
+    argsort; three experts biased out of every choice, so some groups are empty."""
+    cfg = tiny(dtype=dtype, capacity_factor=-1.0, load_balance_loss_weight=0.01, moe_z_loss_weight=0.001)
+    m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0), gmm=gmm)
+    randomize_bias(m)
+    m.gate.expert_bias[...] = m.gate.expert_bias[...].at[jnp.array([1, 6, 11])].set(-10.0)
+    x = jax.random.normal(jax.random.key(14), (2, 24, cfg.base_emb_dim))
+    ct = jax.random.normal(jax.random.key(15), x.shape)
+
+    def loss(m, x):
+        y, aux = m(x)
+        return jnp.sum(y.astype(jnp.float32) * ct) + aux.loss, (y, aux.counts)
+
+    def run():  # a new function per run: a fresh trace of the (patched) layer
+        return nnx.jit(lambda m, x: nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(m, x))(m, x)
+
+    new = run()
+    monkeypatch.setattr(moe_experts, "invert", jnp.argsort)
+    old = run()
+    counts = np.asarray(new[0][1][1])
+    assert (counts[[1, 6, 11]] == 0).all() and (counts > 0).sum() >= 8
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_combine_in_bf16_with_fp32_sum_against_float64():
+    """bf16 expert outputs and fp32 router weights (as the layer gives them), against the formula in float64
+    from the same inputs. Forward: the sum is fp32 (error <= K * 2^-24 * sum_k |w_k y_k|) then rounded once to
+    bf16 (<= 2^-8 |out|, half an ulp of an 8-bit significand). Backward: dy = ct * w, one product rounded
+    to bf16 (<= 2^-8); dw = sum_d ct * y in fp32 (bf16 products are exact in fp32, so only the sum's
+    rounding, <= D * 2^-24 * sum_d |ct y|) and kept in fp32, the weights' dtype. The fp32 formula on fp32
+    inputs is reproduced bit for bit."""
+    T, K, D = 64, 8, 256
+    ks = jax.random.split(jax.random.key(16), 3)
+    y_TKD = (jax.random.normal(ks[0], (T, K, D)) * 3).astype(jnp.bfloat16)
+    w_TK = jax.random.uniform(ks[1], (T, K), minval=0.01, maxval=2.5)
+    ct_TD = jax.random.normal(ks[2], (T, D)).astype(jnp.bfloat16)
+    combine = jax.jit(lambda y, w: moe_experts.combine(y, w, jnp.bfloat16))
+    out_TD, vjp = jax.vjp(combine, y_TKD, w_TK)
+    dy_TKD, dw_TK = vjp(ct_TD)
+    assert out_TD.dtype == dy_TKD.dtype == jnp.bfloat16 and dw_TK.dtype == jnp.float32
+
+    y, w, ct = (np.asarray(a, np.float64) for a in (y_TKD, w_TK, ct_TD))
+    terms_TKD = w[..., None] * y
+    ref_TD = terms_TKD.sum(1)
+    err = np.abs(np.asarray(out_TD, np.float64) - ref_TD)
+    assert (err <= 2.0 ** -8 * np.abs(ref_TD) + K * 2.0 ** -24 * np.abs(terms_TKD).sum(1)).all(), err.max()
+    ref_dy = ct[:, None, :] * w[..., None]
+    assert (np.abs(np.asarray(dy_TKD, np.float64) - ref_dy) <= (2.0 ** -8 + 2.0 ** -23) * np.abs(ref_dy)).all()
+    prods_TKD = ct[:, None, :] * y
+    err_dw = np.abs(np.asarray(dw_TK, np.float64) - prods_TKD.sum(2))
+    assert (err_dw <= D * 2.0 ** -24 * np.abs(prods_TKD).sum(2)).all(), err_dw.max()
+
+    y32 = y_TKD.astype(jnp.float32)
+    np.testing.assert_array_equal(jax.jit(lambda y, w: moe_experts.combine(y, w, jnp.float32))(y32, w_TK),
+                                  jax.jit(lambda y, w: jnp.einsum("tkd,tk->td", y, w))(y32, w_TK))
+
+
+def test_dropless_keeps_expert_outputs_in_bf16_for_the_backward():
+    """What the backward keeps of a bf16 layer holds the unsorted expert outputs [T, K, D] in bf16 (a fp32
+    copy would double the largest activation the MoE keeps)."""
+    T, K, E, D, F = 32, 4, 8, 64, 16
+    bf = jnp.bfloat16
+    w = tuple(jax.ShapeDtypeStruct(s, bf) for s in [(E, D, F), (E, D, F), (E, F, D)])
+    experts_TK = routing(jax.random.key(0), T, K, E, E)
+    f = lambda x, weights_TK, *w: moe_experts.dropless(x, experts_TK, weights_TK, w, "ragged_dot")
+    saved = jax.tree.leaves(jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], jax.ShapeDtypeStruct((T, D), bf),
+                                           jax.ShapeDtypeStruct((T, K), jnp.float32), *w))
+    assert ((T, K, D), bf) in [(r.shape, r.dtype) for r in saved]
+    assert not [r for r in saved if r.dtype == jnp.float32 and r.size >= T * D], [(r.shape, r.dtype) for r in saved]

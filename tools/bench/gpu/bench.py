@@ -176,33 +176,47 @@ def matmul_rate(n=8192, repeats=10):
     return 2 * n**3 / _median_seconds(_jax_runner(lambda a, b: a @ b, (a, b)), repeats)
 
 
+def _variant(spec: str):
+    """"model[:key=value...]" -> (model, {key: value}, label); values parsed as YAML, as config overrides are."""
+    import yaml
+
+    model, *kvs = spec.split(":")
+    overrides = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in kvs)}
+    return model, overrides, spec.replace(":", "_").replace("=", "-")
+
+
 def step(args, save):
     from tools.bench.step import bench as step_bench
 
     step_bench.FLAGS([step_bench.__file__, f"--batch={args.batch}", f"--iters={args.repeats}"])
     peak, measured = args.peak, args.measured
     rows = []
-    for model, attn in [(m, a) for m in args.models for a in args.attention_kernels]:
-        try:
-            r = step_bench.bench(model, args.seq, compile_only=args.compile_only, attention_kernel=attn)
-        except Exception as e:  # noqa: BLE001
-            rows.append({"model": model, "attention_kernel": attn, "error": f"{type(e).__name__}: {str(e)[:400]}"})
-            print(f"{model}: ERROR {rows[-1]['error'][:200]}", flush=True)
-            save(rows)
-            continue
-        if args.compile_only:
+    for spec in args.models:
+        model, overrides, label = _variant(spec)
+        for attn in args.attention_kernels:
+            kw = {**({"attention_kernel": attn} if attn else {}), **overrides}
+            trace = f"{args.trace}/{label}" if args.trace and not args.compile_only else None
+            try:
+                r = step_bench.bench(model, args.seq, compile_only=args.compile_only, trace_dir=trace, **kw)
+            except Exception as e:  # noqa: BLE001
+                rows.append({"model": model, **kw, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+                print(f"{spec}: ERROR {rows[-1]['error'][:200]}", flush=True)
+                save(rows)
+                continue
+            if args.compile_only:
+                rows.append(r)
+                print(f"{spec} {attn}: compiled in {r['compile_s']:.0f} s", flush=True)
+                continue
+            r.pop("cpu_mfu"), r.pop("matmul_gflops"), r.pop("peak_rss_MiB")
+            flops = r["model_gflops"] * 1e9
+            r.update(label=label, batch=args.batch, trace_dir=trace,
+                     mfu_vs_datasheet_peak=None if peak is None else flops / peak,
+                     mfu_vs_measured_matmul=flops / measured)
             rows.append(r)
-            print(f"{model} {attn}: compiled in {r['compile_s']:.0f} s", flush=True)
-            continue
-        r.pop("cpu_mfu"), r.pop("matmul_gflops"), r.pop("peak_rss_MiB")
-        flops = r["model_gflops"] * 1e9
-        r.update(batch=args.batch, mfu_vs_datasheet_peak=None if peak is None else flops / peak,
-                 mfu_vs_measured_matmul=flops / measured)
-        rows.append(r)
-        save(rows)
-        print(f"{model} {attn}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s, "
-              f"{flops / 1e12:.1f} TFLOP/s, MFU {r['mfu_vs_datasheet_peak'] or 0:.1%} of peak, "
-              f"{r['mfu_vs_measured_matmul']:.1%} of the measured matmul", flush=True)
+            save(rows)
+            print(f"{spec} {attn}: {r['step_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s, "
+                  f"{flops / 1e12:.1f} TFLOP/s, MFU {r['mfu_vs_datasheet_peak'] or 0:.1%} of peak, "
+                  f"{r['mfu_vs_measured_matmul']:.1%} of the measured matmul", flush=True)
     return rows
 
 
@@ -212,11 +226,14 @@ def main():
     p.add_argument("--op", choices=("gla", "kda"), default="gla")
     p.add_argument("--ts", default="4096,16384,32768")
     p.add_argument("--impls", default="", help="kernels: only these implementations (comma-separated; default all)")
-    p.add_argument("--models", default="ling2-small,ling3-small")
+    p.add_argument("--models", default="ling2-small,ling3-small",
+                   help="step: model[:key=value...] variants, comma-separated (e.g. ling2-small:moe_gmm_backend=blocked)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--attention_kernels", default="cudnn,blocked", help="step: MLA attention_kernel values")
+    p.add_argument("--attention_kernels", default="cudnn,blocked",
+                   help="step: MLA attention_kernel values ('' keeps the model file's)")
+    p.add_argument("--trace", default="", help="step: write a JAX profiler trace of each row under this folder")
     p.add_argument("--compile_only", action="store_true",
                    help="step: compile only (fills JAX_COMPILATION_CACHE_DIR for a later timed process)")
     p.add_argument("--warm", action="store_true",
@@ -226,7 +243,7 @@ def main():
     args.ts = [int(t) for t in args.ts.split(",")]
     args.models = args.models.split(",")
     args.impls = [i for i in args.impls.split(",") if i]
-    args.attention_kernels = args.attention_kernels.split(",")
+    args.attention_kernels = args.attention_kernels.split(",") if args.attention_kernels else [""]
     if jax.default_backend() != "gpu":
         raise SystemExit(f"tools/bench/gpu needs a GPU; JAX's default backend is {jax.default_backend()!r}")
     head = {**host_facts(), "command": " ".join(sys.argv[1:])}

@@ -1,72 +1,104 @@
 #!/bin/bash
-# Issue 23's measurements on one lent GPU, in one device-tool call ($OUT comes back):
-#   run(command="bash tools/bench/gpu/device_run.sh", carry=[".whl"], timeout_s=560)
-#   run(command="bash tools/bench/gpu/device_run.sh losses", ...)   # the 50-step runs against CPU float32
-# .whl: fla-core and the pure-Python packages the image lacks (NOTES.md). Phase 1 runs nothing timed, side by
-# side: the device tests, the train steps' compiles and the kernels' first calls (fla's autotuning), filling JAX's
-# persistent cache and Triton's autotuning cache. Phase 2, alone on the GPU: the timed step and kernel rows.
+# Issue 36's measurements on one lent GPU in one device-tool call ($OUT comes back):
+#   run(command="bash tools/bench/gpu/device_run.sh", carry=[".whl", ".base"], timeout_s=570)
+# .whl: the pure-Python packages the image lacks (pydantic, grain, fla-core and their missing dependencies;
+# NOTES.md). .base: `git archive` of the commit to compare against (baseline rows run from it), optional.
+# LING2_FROM_BASE: paths the new rows take from .base (work in progress left out of a run).
+# Phases (PHASES, default all), in this order: test (device correctness tests, beside the warm compiles), warm
+# (every step's compile, side by side, into JAX's persistent cache), step (timed steps + traces), mfu (the
+# three MFU figures), moe (the grouped SwiGLU alone per backend), kernels (GLA and KDA vs fla). Each phase is under `timeout`; results are
+# packed into $OUT/results.tar.gz (raw traces the reader could not read: traces.tar.gz) after every phase, so a
+# run cut short keeps what it measured.
 set -u
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"; R=/tmp/results; mkdir -p $R
 exec > >(tee -a "$OUT/log.txt") 2>&1
 T0=$(date +%s); stamp() { echo "== $(( $(date +%s) - T0 ))s: $*"; }
-stamp start; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:.
-if ! python3 -c "import flax.nnx, optax, orbax.checkpoint, grain; from ling2.layers.model import Ling2Model" 2>"$OUT/import_err.txt"; then
-  stamp "pinned flax/optax/orbax do not import with this jax; using the image's"; tail -1 "$OUT/import_err.txt"
-  rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    $(ls .whl/*.whl | grep -vE '/(flax|optax|orbax_checkpoint)-') || exit 1
+pack() { tar -czf "$OUT/results.tar.gz" -C $R . 2>/dev/null
+        [ -d /tmp/raw ] && tar -czf "$OUT/traces.tar.gz" -C /tmp/raw . 2>/dev/null; }
+PHASES=${PHASES:-test,warm,moe,step,mfu,kernels}
+has() { [[ ",$PHASES," == *",$1,"* ]]; }
+stamp start; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee $R/gpu.txt
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:. JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache XLA_PYTHON_CLIENT_PREALLOCATE=false
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 PYTHONUNBUFFERED=1
+python3 -c "import jax, flax, torch, triton, fla; print('jax', jax.__version__, 'flax', flax.__version__, 'torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, jax.devices())" | tee $R/versions.txt
+NEW=$PWD
+if [ -n "${LING2_FROM_BASE:-}" ] && [ -d .base ]; then
+  NEW=/tmp/new; mkdir -p $NEW; tar -c --exclude=./.base --exclude=./.whl . | tar -x -C $NEW
+  for p in $LING2_FROM_BASE; do rm -rf "$NEW/$p"; cp -r ".base/$p" "$NEW/$p"; done
 fi
-python3 -c "import jax, flax, torch, triton, fla; print('jax', jax.__version__, 'flax', flax.__version__, 'torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, jax.devices())"
-export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache XLA_PYTHON_CLIENT_PREALLOCATE=false
-GLA_IMPLS=pallas_gpu,pallas_gpu_bv32,cudnn_attention,fla_chunk_simple_gla  # fla's backward refuses Triton < 3.7.1 on Hopper
-KDA_IMPLS=pallas_gpu,pallas_gpu_bv32,pallas_gpu_prologue_only,fla_chunk_kda,fla_chunk_kda_safe_gate
-bench() { python3 -m tools.bench.gpu.bench "$@"; }
-
-if [ "${1:-}" = losses ]; then
-  train() {  # dtype run_dir
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout 150 python3 -m ling2.train.train --run_dir="$2" --tensorboard=false \
-      steps=50 log_period=1 eval_interval=50 checkpoint_period=50 dtype="$1" > "$2.log" 2>&1
-    echo "train $1 exit $?"; tail -3 "$2.log"
-  }
-  JAX_DEFAULT_MATMUL_PRECISION=highest train float32 /tmp/gpu_f32 & F32=$!
-  train bfloat16 /tmp/gpu_bf16; wait $F32
-  python3 -m tools.bench.gpu.losses --ref tools/bench/gpu/losses_cpu_float32.json \
-    --run float32=/tmp/gpu_f32/metrics.jsonl --run bfloat16=/tmp/gpu_bf16/metrics.jsonl --out "$OUT/losses.json"
-  exit
+if [ -d .base ]; then  # the baseline's ling2/ and configs/ under this tree's benchmark harness (tools/)
+  BASE=/tmp/base; mkdir -p $BASE; cp -r .base/. $BASE/; rm -rf $BASE/tools; cp -r tools $BASE/tools
 fi
+new() { (cd $NEW && PYTHONPATH=/tmp/site:$NEW "$@"); }
+base() { (cd $BASE && PYTHONPATH=/tmp/site:$BASE "$@"); }
+STEP_NEW=${STEP_NEW:-"ling2-small:attention_kernel=cudnn ling2-1gpu ling2-1gpu:moe_gmm_backend=blocked"}
+STEP_BASE=${STEP_BASE:-"ling2-small:attention_kernel=cudnn"}
+BATCH=${BATCH:-8}; BATCH_1GPU=${BATCH_1GPU:-4}
+batch() { case $1 in *1gpu*) echo $BATCH_1GPU;; *) echo $BATCH;; esac; }
+stepb() {  # new|base spec mem_fraction seconds extra-args...
+  local who=$1 spec=$2 frac=$3 secs=$4; shift 4
+  $who env XLA_PYTHON_CLIENT_MEM_FRACTION=$frac timeout $secs python3 -m tools.bench.gpu.bench step --models "$spec" \
+    --attention_kernels "" --batch $(batch $spec) "$@"
+}
 
-stamp "phase 1: device tests, step compiles, kernel warm-ups (untimed, side by side)"
-( XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 timeout 200 python3 -m pytest -q -p no:cacheprovider \
-    ling2/kernels/gpu_device_test.py ling2/layers/attention_mla_gpu_device_test.py > "$OUT/device_test.txt" 2>&1
-  echo "pytest exit $?" >> "$OUT/device_test.txt" ) & PIDS=$!
-for m in ling2-small ling3-small; do
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout 200 python3 -m tools.bench.gpu.bench step --compile_only --models $m \
-    --out /tmp/compile_$m.json > /tmp/compile_$m.log 2>&1 & PIDS="$PIDS $!"
-done
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.08 timeout 200 python3 -m tools.bench.gpu.bench kernels --op gla --warm \
-  --impls $GLA_IMPLS --out /tmp/gla_warm.json > /tmp/gla_warm.log 2>&1 & PIDS="$PIDS $!"
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 timeout 200 python3 -m tools.bench.gpu.bench kernels --op kda --warm \
-  --impls $KDA_IMPLS --out /tmp/kda_warm.json > /tmp/kda_warm.log 2>&1 & PIDS="$PIDS $!"
-wait $PIDS  # by pid: a bare `wait` also waits for the log's tee (a process substitution) and never returns
-stamp "phase 1 done"; tail -n 4 /tmp/compile_*.log /tmp/*_warm.log; grep -E "passed|failed|exit" "$OUT/device_test.txt" | tail -3
-
-stamp "phase 2: train steps"
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 130 python3 -m tools.bench.gpu.bench step --repeats 10 --out "$OUT/step.json"
-stamp "phase 2: gla"
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 90 python3 -m tools.bench.gpu.bench kernels --op gla --impls $GLA_IMPLS --out "$OUT/gla.json"
-stamp "phase 2: kda"
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 90 python3 -m tools.bench.gpu.bench kernels --op kda --impls $KDA_IMPLS --out "$OUT/kda.json"
+TEST_PID=""
+if has test; then  # beside the warm compiles: the device tests take little of the GPU
+  stamp "phase test"
+  ( new timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider \
+      ${TESTS:-ling2/kernels/gmm/gpu_device_test.py ling2/layers/attention_mla_gpu_device_test.py} > $R/device_test.txt 2>&1
+    echo "pytest exit $?" >> $R/device_test.txt ) & TEST_PID=$!
+fi
+if has warm; then
+  stamp "phase warm: compiles side by side"; PIDS=""
+  for s in $STEP_NEW; do
+    stepb new "$s" 0.1 ${WARM_S:-200} --compile_only --out /tmp/compile_new_${s//[:=]/_}.json > /tmp/compile_new_${s//[:=]/_}.log 2>&1 & PIDS="$PIDS $!"
+  done
+  if [ -d .base ]; then for s in $STEP_BASE; do
+    stepb base "$s" 0.1 ${WARM_S:-200} --compile_only --out /tmp/compile_base_${s//[:=]/_}.json > /tmp/compile_base_${s//[:=]/_}.log 2>&1 & PIDS="$PIDS $!"
+  done; fi
+  wait $PIDS $TEST_PID; TEST_PID=""
+  tail -n 2 /tmp/compile_*.log; cp /tmp/compile_*.log $R/ 2>/dev/null; pack
+fi
+if has step; then
+  stamp "phase step"
+  if [ -d .base ]; then for s in $STEP_BASE; do
+    stepb base "$s" 0.9 ${STEP_S:-100} --repeats 5 --trace /tmp/trace_base --out $R/step_base_${s//[:=]/_}.json
+  done; fi
+  for s in $STEP_NEW; do stepb new "$s" 0.9 ${STEP_S:-100} --repeats 5 --trace /tmp/trace_new --out $R/step_new_${s//[:=]/_}.json; done
+  for d in /tmp/trace_base/* /tmp/trace_new/*; do
+    [ -d "$d" ] || continue; n=$(basename $(dirname $d))_$(basename $d)
+    if [ ! -f tools/bench/gpu/trace.py ]; then
+      mkdir -p /tmp/raw/$n; find $d -name '*.xplane.pb' -exec cp {} /tmp/raw/$n/ \; ; continue
+    fi
+    new timeout 60 python3 -m tools.bench.gpu.trace "$d" --steps 3 --csv $R/$n.csv --json $R/$n.json --top 25 \
+      > $R/$n.txt 2>&1 || { echo "trace reader failed on $d"; tail -3 $R/$n.txt;
+                            mkdir -p /tmp/raw/$n; find $d -name '*.xplane.pb' -exec cp {} /tmp/raw/$n/ \; ; }
+    head -40 $R/$n.txt
+  done
+  pack
+fi
+if has mfu; then
+  stamp "phase mfu"
+  for m in ${MFU_MODELS:-"ling2-1gpu:ling2"}; do
+    new env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${MFU_S:-150} python3 -m tools.bench.gpu.mfu --model ${m%%:*} \
+      --full_model ${m##*:} --batch $BATCH_1GPU --seq 4096 --repeats 5 --out $R/mfu_${m%%:*}.json
+  done
+  pack
+fi
+if has moe; then
+  stamp "phase moe"
+  new env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${MOE_S:-120} python3 -m tools.bench.gpu.moe --out $R/moe.json \
+    ${MOE_ARGS:-}; pack
+fi
+if has kernels; then
+  stamp "phase kernels"
+  for op in gla kda; do
+    new env XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${KERNEL_S:-120} python3 -m tools.bench.gpu.bench kernels --op $op \
+      --impls ${KERNEL_IMPLS:-pallas_gpu,fla_chunk_simple_gla,fla_chunk_kda} --out $R/$op.json
+  done
+  pack
+fi
+[ -n "$TEST_PID" ] && wait $TEST_PID; tail -3 $R/device_test.txt 2>/dev/null
 stamp done
-cp /tmp/compile_ling2-small.json /tmp/compile_ling3-small.json "$OUT/" 2>/dev/null
-python3 - "$OUT" <<'PY'
-import json, os, sys
-for name in ("gla", "kda", "step"):
-    p = os.path.join(sys.argv[1], name + ".json")
-    if not os.path.exists(p):
-        print(name, "missing"); continue
-    for r in json.load(open(p))["rows"]:
-        print(name, {k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()
-                     if k in ("T", "mode", "impl", "seconds", "ratio_vs_fla", "model", "attention_kernel", "step_s",
-                              "tokens_per_s", "mfu_vs_datasheet_peak", "mfu_vs_measured_matmul", "error")})
-PY
+pack; ls -la $R

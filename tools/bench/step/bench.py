@@ -47,9 +47,11 @@ def matmul_flops(dtype, n: int = 2048, iters: int = 3) -> float:
     return 2 * n**3 / _time(f, x, iters=iters)
 
 
-def bench(model_name: str, seq: int, compile_only: bool = False, **overrides) -> dict:
+def bench(model_name: str, seq: int, compile_only: bool = False, trace_dir: str | None = None,
+          trace_steps: int = 3, **overrides) -> dict:
     """One row; `overrides` are config keys (e.g. attention_kernel="cudnn"). compile_only: stop after the
-    compile (which a persistent compilation cache keeps for a later process)."""
+    compile (which a persistent compilation cache keeps for a later process). trace_dir: after timing, a JAX
+    profiler trace of `trace_steps` more steps is written there (tools/bench/gpu/trace reads it)."""
     from ling2.config import load_config
     from ling2.layers.model import Ling2Model, count_params, training_flops_per_token
     from ling2.train import step as S
@@ -76,6 +78,11 @@ def bench(model_name: str, seq: int, compile_only: bool = False, **overrides) ->
     f = lambda p: compiled(p, rest, mb)
     mem = compiled.memory_analysis()
     dt = _time(f, params, iters=FLAGS.iters)
+    if trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(trace_steps):
+                out = f(params)
+            jax.block_until_ready(out)
     ref = matmul_flops(jnp.dtype(cfg.dtype))
     tps = B * seq / dt
     model_flops = tps * training_flops_per_token(cfg, seq)

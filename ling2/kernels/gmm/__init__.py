@@ -1,0 +1,1 @@
+"""Grouped matmul over rows sorted by group (the dropless MoE's expert products)."""
