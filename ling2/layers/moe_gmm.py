@@ -10,9 +10,9 @@ dim, F expert width.
   "blocked": XLA:GPU lowers ragged_dot's backward dense over the experts too (E times the work and
   memory: 151 GiB for ling2-small's step at 32K tokens, tools/bench/gpu/NOTES.md), so each expert's
   rows are padded to whole blocks and run as batched matmuls against per-block gathered weights.
-  "pallas_gpu": Ling2's Pallas Triton grouped matmul (ling2.kernels.gmm.pallas_gpu): each program reads its
+  "pallas_gpu": Ling2's Pallas Triton grouped SwiGLU (ling2.kernels.gmm.pallas_gpu): each program reads its
   block of the expert's weights straight from the stacked weights, forward and both backward products, with
-  under one row tile of extra work per expert. Interpreted on CPU.
+  under one row tile of extra work per expert; gate and up share one read of the rows. Interpreted on CPU.
   "megablox": the Pallas TPU grouped-matmul kernels JAX ships (megablox `gmm`/`tgmm`, MaxText's
   TPU default). XLA:TPU lowers ragged_dot to grouped Mosaic kernels of its own, but counts them
   dense over the local experts in its cost analysis (11x the grouped FLOPs at 32 experts), and
@@ -205,12 +205,10 @@ def ffn_blocked(x_MD, group_sizes_E, wg, wu, wd, block: int = 128, step_bytes: i
 
 
 def ffn_pallas_gpu(x_MD, group_sizes_E, wg, wu, wd, *, interpret: bool = False):
-    """Same contract as `ffn_ragged_dot`, by the Pallas Triton grouped matmul (gate and up as one [D, 2F]
-    product); its backward is the kernel's own (a transposed grouped matmul for dx, one per expert for dw)."""
-    mm = lambda a, w: gmm_pallas_gpu.grouped_matmul(a, w, group_sizes_E, interpret=interpret)
-    F = wd.shape[1]
-    g, u = jnp.split(mm(x_MD, jnp.concatenate([wg, wu], axis=-1).astype(x_MD.dtype)), [F], axis=-1)
-    return mm(jax.nn.silu(g) * u, wd.astype(x_MD.dtype))
+    """Same contract as `ffn_ragged_dot`, by the Pallas Triton grouped SwiGLU (ling2.kernels.gmm.pallas_gpu): gate
+    and up from one read of the rows, h written directly, then the down projection; its backward is the kernels'
+    own (transposed grouped matmuls for dx, one per expert for the weights)."""
+    return gmm_pallas_gpu.grouped_swiglu(x_MD, group_sizes_E, wg, wu, wd, interpret=interpret)
 
 
 def megablox_tile(D: int, F: int, interpret: bool = False) -> int | None:

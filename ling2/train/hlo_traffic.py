@@ -195,12 +195,13 @@ def _fusion_bytes(body: list, operands: list, out: float) -> tuple[list, float]:
 
 
 def traffic(text: str, mesh_shape: dict) -> dict:
-    """{"collectives": {(kind, axes): {"count", "buffer_bytes", "wire_bytes"}}, "hbm_bytes", "unknown_loops"}
-    per chip per execution of the program in `text`; `mesh_shape` {axis: size} in mesh order."""
+    """{"collectives": {(kind, axes): {"count", "buffer_bytes", "wire_bytes"}}, "hbm_bytes", "hbm_read_bytes",
+    "unknown_loops"} per chip per execution of the program in `text` (hbm_bytes: reads and writes; hbm_read_bytes:
+    the reads alone); `mesh_shape` {axis: size} in mesh order."""
     comps, entry = parse_computations(text)
     n_dev = math.prod(mesh_shape.values())
     coll = defaultdict(lambda: {"count": 0.0, "buffer_bytes": 0.0, "wire_bytes": 0.0})
-    totals = {"hbm_bytes": 0.0, "unknown_loops": 0}
+    totals = {"hbm_bytes": 0.0, "hbm_read_bytes": 0.0, "unknown_loops": 0}
 
     def walk(name: str, times: float, fused: bool):
         instrs = comps.get(name, [])
@@ -253,6 +254,7 @@ def traffic(text: str, mesh_shape: dict) -> dict:
             elif i.op == "fusion":
                 operands, out = _fusion_bytes(comps.get(_attr(i.rest, "calls"), []), operands, out)
             totals["hbm_bytes"] += times * (out + sum(operands))
+            totals["hbm_read_bytes"] += times * sum(operands)
 
     walk(entry, 1.0, False)
     return {"collectives": dict(coll), **totals}

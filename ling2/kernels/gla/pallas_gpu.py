@@ -1,20 +1,32 @@
 """Pallas GPU (Triton) kernels for chunked simple GLA.
 
-GPU programs run in parallel, so nothing is carried across grid steps: the grid is
-(B, H, V / BLOCK_V) and each program loops over the N chunks of its sequence with a
-fori_loop carrying its fp32 slice of the state (K x BLOCK_V) in registers. Output columns
-only need their own state columns; dq and dk sum over all of V, so each V block writes a
-partial that is summed outside.
-  forward: o and the final state (forward sweep).
-  dq:      forward sweep recomputing the states.
-  dk, dv:  reverse sweep carrying G = dL/d(state), which ends as d(initial state).
-Per-token factors (b, doc, alpha, w) are [B, H, T] fp32 vectors, see chunked.py.
-Triton needs power-of-two block shapes: K and V are zero-padded up to one (exact, the
-padding adds zero terms) and the chunk size must be a power of two >= 16.
-Kernel refs hold one head's whole sequence: q, k, dq, dk [T, K]; v, do, o, dv [T, BLOCK_V];
-b, doc, alpha, w [T]; the states h0, hT and their gradients [K, BLOCK_V].
-Axes in names: B batch, H heads, T time (padded), C chunk size, K key dim, V value dim (or a
-block of it), P V blocks (per-block partial sums).
+GPU programs run in parallel, so the only sequential work is the chunk-to-chunk state recurrence:
+short sweeps carry the state with one matmul per chunk and store it at every chunk edge, then
+kernels over all chunks at once compute everything else from those stored states.
+Sweeps, grid (V / BLOCK_V, K / BLOCK_K, B, H): each program walks the N chunks of one head in order,
+carrying an fp32 [BLOCK_K, BLOCK_V] block of the state (SWEEP_STAGES pipelines the next chunk's loads
+behind the matmul):
+  states:  h_n, the state entering chunk n, then h_{n+1} = lam_n h_n + (k w)^T v; ends as the final state.
+  dstates: dh_n = dL/d(state leaving chunk n), then dh_{n-1} = lam_n dh_n + scale (q alpha)^T do; ends as
+           d(initial state).
+Chunk kernels, grid (blocks, N, B, H), one chunk and one block of V (or K) per program:
+  out:   o = (q k^T * D) v + scale alpha q h_n                      a V block, summing over K blocks
+  dv:    dv = (k q^T * D^T) do + w k dh_n                           a V block, summing over K blocks
+  dqdk:  dA = (do v^T) * D;  dq = dA k + scale alpha do h_n^T;  dk = dA^T q + w v dh_n^T
+                                                                    a K block, summing over V blocks
+D_ij = scale e^{b_i - b_j} for j <= i in the same document (masked before exp); lam_n = alpha of chunk
+n's last token (0 when a document starts inside it). The forward runs states then out; the backward
+recomputes the states, then dstates, dv and dqdk. Per-token factors (b, doc, alpha, w) are [B, H, T]
+fp32 vectors, see chunked.py.
+The stored states h_n, dh_n are [B, H, N, K, V] in STATE_DTYPE. With bf16 inputs every matmul takes
+them as bf16 (fla's convention), so storing them as bf16 gives the same numbers at half the traffic.
+Triton needs power-of-two block shapes: K and V are zero-padded up to one (exact, the padding adds
+zero terms) and the chunk size must be a power of two >= 16.
+Sweep refs hold one head's whole sequence: k, q [T, BK]; v, do [T, BV]; w, alpha [T]; lam [N]; the
+states [N, BK, BV] and the initial and final ones [BK, BV]. Chunk kernel refs hold one chunk:
+q, k [C, K] (dqdk: [C, BK]); v, do [C, BV] (dqdk: [C, V]); h, dh [K, BV] (dqdk: [BK, V]); factors [C].
+Axes in names: B batch, H heads, T time (padded), N chunks, C chunk size, K key dim, V value dim (or a
+block of either).
 """
 
 import functools
@@ -22,68 +34,109 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from ling2.kernels import vma
-from ling2.kernels.triton_blocks import dot, grid_call, pad_last, pad_state, pow2
+from ling2.kernels.triton_blocks import dot, pad_last, pad_state, pow2
 
-BLOCK_V = 64  # state columns per program
-
-
-def _load(refs, n, C, scale):
-    """Chunk n of q, k, v(, do) and its factors: scaled masked decay D [C, C], alpha, w [C, 1], lam."""
-    s = pl.ds(pl.multiple_of(n * C, C), C)
-    b_ref, doc_ref, alpha_ref, w_ref = refs[-4:]
-    xs = [r[s, :] for r in refs[:-4]]
-    b_C, doc_C, alpha_C, w_C = b_ref[s], doc_ref[s], alpha_ref[s], w_ref[s]
-    i = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
-    j = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    mask_CC = (i >= j) & (doc_C[:, None] == doc_C[None, :])
-    D_CC = jnp.exp(jnp.where(mask_CC, b_C[:, None] - b_C[None, :], -jnp.inf)) * scale
-    lam = jnp.sum(jnp.where(jnp.arange(C) == C - 1, alpha_C, 0.0))
-    return s, xs, D_CC, alpha_C[:, None], w_C[:, None], lam
+BLOCK_K = 64  # state rows per sweep program and per dqdk program
+BLOCK_V = 64  # state columns per sweep program and per out / dv program
+SWEEP_WARPS, SWEEP_STAGES = 4, 2
+CHUNK_WARPS, CHUNK_STAGES = 4, 2
+STATE_DTYPE = jnp.float32  # the stored h_n and dh_n; None: q's dtype (exact for bf16 inputs, see above)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, b_ref, doc_ref, alpha_ref, w_ref, h0_ref, o_ref, hT_ref, *, scale, C):
-    dt = q_ref.dtype
-
-    def body(n, S_KV):
-        refs = (q_ref, k_ref, v_ref, b_ref, doc_ref, alpha_ref, w_ref)
-        s, (q_CK, k_CK, v_CV), D_CC, alpha_C1, w_C1, lam = _load(refs, n, C, scale)
-        o_CV = dot(dot(q_CK, k_CK, dt, tb=True) * D_CC, v_CV, dt) + (scale * alpha_C1) * dot(q_CK, S_KV, dt)
-        o_ref[s, :] = o_CV.astype(o_ref.dtype)
-        return lam * S_KV + dot(k_CK * w_C1, v_CV, dt, ta=True)
-
-    hT_ref[...] = jax.lax.fori_loop(0, q_ref.shape[0] // C, body, h0_ref[...])
+def _rows(n, C):
+    return pl.ds(pl.multiple_of(n * C, C), C)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref, h0_ref, dq_ref, *, scale, C):
-    dt = q_ref.dtype
+def _decay(b_ref, doc_ref, scale, transpose=False):
+    """D [C, C] from one chunk's b and doc [C] (transpose: D^T, rows indexed by key position)."""
+    b_C, doc_C = b_ref[...], doc_ref[...]
+    C = b_C.shape[0]
+    row = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    diff_CC = b_C[:, None] - b_C[None, :]
+    causal_CC = col >= row if transpose else row >= col
+    mask_CC = causal_CC & (doc_C[:, None] == doc_C[None, :])
+    return jnp.exp(jnp.where(mask_CC, -diff_CC if transpose else diff_CC, -jnp.inf)) * scale
+
+
+def _states_kernel(k_ref, v_ref, w_ref, lam_ref, h0_ref, h_ref, hT_ref, *, C):
+    dt = k_ref.dtype
 
     def body(n, S_KV):
-        refs = (k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref)
-        s, (k_CK, v_CV, do_CV), D_CC, alpha_C1, w_C1, lam = _load(refs, n, C, scale)
-        dA_CC = dot(do_CV, v_CV, dt, tb=True) * D_CC
-        dq_ref[s, :] = dot(dA_CC, k_CK, dt) + (scale * alpha_C1) * dot(do_CV, S_KV, dt, tb=True)
-        return lam * S_KV + dot(k_CK * w_C1, v_CV, dt, ta=True)
+        s = _rows(n, C)
+        h_ref[n] = S_KV.astype(h_ref.dtype)
+        kw_CK = k_ref[s, :] * w_ref[s][:, None]
+        return lam_ref[n] * S_KV + dot(kw_CK, v_ref[s, :], dt, ta=True)
 
-    jax.lax.fori_loop(0, q_ref.shape[0] // C, body, h0_ref[...])
+    hT_ref[...] = jax.lax.fori_loop(0, h_ref.shape[0], body, h0_ref[...])
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref, dhT_ref, dk_ref, dv_ref, dh0_ref,
-                 *, scale, C):
-    N, dt = q_ref.shape[0] // C, q_ref.dtype
+def _dstates_kernel(q_ref, do_ref, alpha_ref, lam_ref, dhT_ref, dh_ref, dh0_ref, *, scale, C):
+    N, dt = dh_ref.shape[0], q_ref.dtype
 
     def body(r, G_KV):
-        refs = (q_ref, k_ref, v_ref, do_ref, b_ref, doc_ref, alpha_ref, w_ref)
-        s, (q_CK, k_CK, v_CV, do_CV), D_CC, alpha_C1, w_C1, lam = _load(refs, N - 1 - r, C, scale)
-        A_CC = dot(q_CK, k_CK, dt, tb=True) * D_CC
-        dA_CC = dot(do_CV, v_CV, dt, tb=True) * D_CC
-        dk_ref[s, :] = dot(dA_CC, q_CK, dt, ta=True) + w_C1 * dot(v_CV, G_KV, dt, tb=True)
-        dv_ref[s, :] = dot(A_CC, do_CV, dt, ta=True) + w_C1 * dot(k_CK, G_KV, dt)
-        return lam * G_KV + dot(q_CK * (scale * alpha_C1), do_CV, dt, ta=True)
+        n = N - 1 - r
+        s = _rows(n, C)
+        dh_ref[n] = G_KV.astype(dh_ref.dtype)
+        qa_CK = q_ref[s, :] * (scale * alpha_ref[s])[:, None]
+        return lam_ref[n] * G_KV + dot(qa_CK, do_ref[s, :], dt, ta=True)
 
     dh0_ref[...] = jax.lax.fori_loop(0, N, body, dhT_ref[...])
 
+
+def _out_kernel(q_ref, k_ref, v_ref, h_ref, b_ref, doc_ref, alpha_ref, o_ref, *, scale, BK):
+    C, K = q_ref.shape
+    dt = q_ref.dtype
+
+    def body(i, acc):
+        qk_CC, qh_CV = acc
+        ks = pl.ds(pl.multiple_of(i * BK, BK), BK)
+        q_CK = q_ref[:, ks]
+        return qk_CC + dot(q_CK, k_ref[:, ks], dt, tb=True), qh_CV + dot(q_CK, h_ref[ks, :], dt)
+
+    zeros = (jnp.zeros((C, C), jnp.float32), jnp.zeros(o_ref.shape, jnp.float32))
+    qk_CC, qh_CV = jax.lax.fori_loop(0, K // BK, body, zeros)
+    A_CC = qk_CC * _decay(b_ref, doc_ref, scale)
+    o_CV = dot(A_CC, v_ref[...], dt) + (scale * alpha_ref[...])[:, None] * qh_CV
+    o_ref[...] = o_CV.astype(o_ref.dtype)
+
+
+def _dv_kernel(q_ref, k_ref, do_ref, dh_ref, b_ref, doc_ref, w_ref, dv_ref, *, scale, BK):
+    C, K = q_ref.shape
+    dt = q_ref.dtype
+
+    def body(i, acc):
+        kq_CC, kdh_CV = acc
+        ks = pl.ds(pl.multiple_of(i * BK, BK), BK)
+        k_CK = k_ref[:, ks]
+        return kq_CC + dot(k_CK, q_ref[:, ks], dt, tb=True), kdh_CV + dot(k_CK, dh_ref[ks, :], dt)
+
+    zeros = (jnp.zeros((C, C), jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
+    kq_CC, kdh_CV = jax.lax.fori_loop(0, K // BK, body, zeros)
+    At_CC = kq_CC * _decay(b_ref, doc_ref, scale, transpose=True)
+    dv_ref[...] = dot(At_CC, do_ref[...], dt) + w_ref[...][:, None] * kdh_CV
+
+
+def _dqdk_kernel(q_ref, k_ref, v_ref, do_ref, h_ref, dh_ref, b_ref, doc_ref, alpha_ref, w_ref, dq_ref, dk_ref,
+                 *, scale, BV):
+    C, V = v_ref.shape
+    dt = q_ref.dtype
+
+    def body(j, acc):
+        dA_CC, doh_CK, vdh_CK = acc
+        vs = pl.ds(pl.multiple_of(j * BV, BV), BV)
+        do_CV, v_CV = do_ref[:, vs], v_ref[:, vs]
+        return (dA_CC + dot(do_CV, v_CV, dt, tb=True), doh_CK + dot(do_CV, h_ref[:, vs], dt, tb=True),
+                vdh_CK + dot(v_CV, dh_ref[:, vs], dt, tb=True))
+
+    zeros_CK = jnp.zeros(dq_ref.shape, jnp.float32)
+    dA_CC, doh_CK, vdh_CK = jax.lax.fori_loop(0, V // BV, body, (jnp.zeros((C, C), jnp.float32), zeros_CK, zeros_CK))
+    dA_CC = dA_CC * _decay(b_ref, doc_ref, scale)
+    dq_ref[...] = dot(dA_CC, k_ref[...], dt) + (scale * alpha_ref[...])[:, None] * doh_CK
+    dk_ref[...] = dot(dA_CC, q_ref[...], dt, ta=True) + w_ref[...][:, None] * vdh_CK
 
 
 def supports_chunk(C):
@@ -96,38 +149,116 @@ def _check(C):
         raise ValueError(f"pallas_gpu: chunk_size={C} must be a power of two >= 16 (Triton block shapes)")
 
 
-def forward(q, k, v, aux, h0, scale, C, *, interpret=False, block_v=None):
-    _check(C)
-    B, H, T, K0 = q.shape
-    V0 = v.shape[-1]
-    K, V = pow2(K0), pow2(V0)
-    BV = min(V, block_v or BLOCK_V)
-    aux4 = (aux["b"], aux["doc"].astype(jnp.float32), aux["alpha"], aux["w"])
-    args = (pad_last(q, K), pad_last(k, K), pad_last(v, V)) + aux4 + (pad_state(h0, K, V),)
-    outs = [vma.out_struct((B, H, T, V), q.dtype, q), vma.out_struct((B, H, K, V), jnp.float32, q)]
-    kinds = ("full", "full", "v") + ("full",) * 4 + ("v", "v", "v")
-    o_BHTV, hT_BHKV = grid_call(functools.partial(_fwd_kernel, scale=scale, C=C), args, outs, kinds, BV, interpret)
-    return o_BHTV[..., :V0], hT_BHKV[:, :, :K0, :V0]
+class _Layout:
+    """Padded head dims, blocks and BlockSpecs for one call. Sweep grids are (V blocks, K blocks, B, H), chunk
+    grids (blocks, N, B, H); the block axis first, so the programs launched together share their chunk."""
+
+    def __init__(self, q, v, C, block_k, block_v):
+        _check(C)
+        self.B, self.H, self.T, self.K0 = q.shape
+        self.V0, self.C, self.N = v.shape[-1], C, self.T // C
+        self.K, self.V = pow2(self.K0), pow2(self.V0)
+        self.BK, self.BV = min(self.K, block_k or BLOCK_K), min(self.V, block_v or BLOCK_V)
+        self.NK, self.NV = self.K // self.BK, self.V // self.BV
+
+    # Sweeps: grid (j, i, b, h) over V blocks j and K blocks i.
+    def seq(self, by_k):
+        """[B, H, T, K] (by_k) or [B, H, T, V] -> one head's sequence, block i of K or block j of V."""
+        return pl.BlockSpec((None, None, self.T, self.BK if by_k else self.BV),
+                            lambda j, i, b, h: (b, h, 0, i if by_k else j))
+
+    def seq_vec(self, length):
+        """[B, H, length] (per token or per chunk) -> one head's entries."""
+        return pl.BlockSpec((None, None, length), lambda j, i, b, h: (b, h, 0))
+
+    def state(self):
+        """[B, H, K, V] -> a [BK, BV] block."""
+        return pl.BlockSpec((None, None, self.BK, self.BV), lambda j, i, b, h: (b, h, i, j))
+
+    def states(self):
+        """[B, H, N, K, V] -> every chunk's [BK, BV] block."""
+        return pl.BlockSpec((None, None, self.N, self.BK, self.BV), lambda j, i, b, h: (b, h, 0, i, j))
+
+    # Chunk kernels: grid (x, n, b, h) over blocks x and chunks n.
+    def chunk(self, D):
+        """[B, H, T, D] -> chunk n, all D columns."""
+        return pl.BlockSpec((None, None, self.C, D), lambda x, n, b, h: (b, h, n, 0))
+
+    def chunk_block(self, BD):
+        """[B, H, T, D] -> chunk n, columns block x of BD."""
+        return pl.BlockSpec((None, None, self.C, BD), lambda x, n, b, h: (b, h, n, x))
+
+    def chunk_vec(self):
+        """[B, H, T] -> chunk n."""
+        return pl.BlockSpec((None, None, self.C), lambda x, n, b, h: (b, h, n))
+
+    def chunk_state(self, by_k):
+        """[B, H, N, K, V] -> chunk n's state, K block x by all V (by_k) or all K by V block x."""
+        shape = (self.BK, self.V) if by_k else (self.K, self.BV)
+        return pl.BlockSpec((None, None, None) + shape,
+                            lambda x, n, b, h: (b, h, n, x, 0) if by_k else (b, h, n, 0, x))
 
 
-def backward(q, k, v, aux, h0, do, dhT, scale, C, *, interpret=False, block_v=None):
-    """dq and dk are sums over V blocks of per-block partials (each block sees its slice of S, G)."""
-    _check(C)
-    B, H, T, K0 = q.shape
-    V0 = v.shape[-1]
-    K, V = pow2(K0), pow2(V0)
-    BV = min(V, block_v or BLOCK_V)
-    NV = V // BV
+def _call(kernel, name, grid, in_specs, out_specs, outs, args, warps, stages, interpret):
+    """One named Triton kernel (the name is what compiled HLO calls it) with its warps and pipeline stages."""
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=outs, interpret=interpret, name=name,
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages),
+    )(*args)
+
+
+def _lam(aux, L):
+    """lam [B, H, N]: alpha of each chunk's last token, the state's decay over the chunk (0 on a reset)."""
+    return aux["alpha"].reshape(L.B, L.H, L.N, L.C)[..., -1]
+
+
+def _states(k, v, aux, h0, L, like, interpret):
+    """Padded k, v -> the states entering every chunk [B, H, N, K, V] (STATE_DTYPE) and the final state."""
     f32 = jnp.float32
-    aux4 = (aux["b"], aux["doc"].astype(f32), aux["alpha"], aux["w"])
-    qkvdo = (pad_last(q, K), pad_last(k, K), pad_last(v, V), pad_last(do, V))
-    kinds_in = ("full", "full", "v", "v") + ("full",) * 4 + ("v",)
-    part = vma.out_struct((NV, B, H, T, K), f32, q)
-    (dq_PBHTK,) = grid_call(functools.partial(_dq_kernel, scale=scale, C=C), qkvdo + aux4 + (pad_state(h0, K, V),),
-                        [part], kinds_in + ("part",), BV, interpret)
-    dk_PBHTK, dv_BHTV, dh0_BHKV = grid_call(
-        functools.partial(_dkdv_kernel, scale=scale, C=C), qkvdo + aux4 + (pad_state(dhT, K, V),),
-        [part, vma.out_struct((B, H, T, V), f32, q), vma.out_struct((B, H, K, V), f32, q)],
-        kinds_in + ("part", "v", "v"), BV, interpret)
-    dq_BHTK, dk_BHTK = dq_PBHTK.sum(0), dk_PBHTK.sum(0)
-    return dq_BHTK[..., :K0], dk_BHTK[..., :K0], dv_BHTV[..., :V0], dh0_BHKV[:, :, :K0, :V0]
+    outs = [vma.out_struct((L.B, L.H, L.N, L.K, L.V), STATE_DTYPE or k.dtype, like),
+            vma.out_struct((L.B, L.H, L.K, L.V), f32, like)]
+    return _call(functools.partial(_states_kernel, C=L.C), "ling2_gla_states", (L.NV, L.NK, L.B, L.H),
+                 [L.seq(True), L.seq(False), L.seq_vec(L.T), L.seq_vec(L.N), L.state()],
+                 [L.states(), L.state()], outs, (k, v, aux["w"], _lam(aux, L), pad_state(h0, L.K, L.V)),
+                 SWEEP_WARPS, SWEEP_STAGES, interpret)
+
+
+def forward(q, k, v, aux, h0, scale, C, *, interpret=False, block_k=None, block_v=None):
+    L = _Layout(q, v, C, block_k, block_v)
+    q, k, v = pad_last(q, L.K), pad_last(k, L.K), pad_last(v, L.V)
+    h_BHNKV, hT_BHKV = _states(k, v, aux, h0, L, q, interpret)
+    doc = aux["doc"].astype(jnp.float32)
+    (o_BHTV,) = _call(functools.partial(_out_kernel, scale=scale, BK=L.BK), "ling2_gla_out", (L.NV, L.N, L.B, L.H),
+                      [L.chunk(L.K), L.chunk(L.K), L.chunk_block(L.BV), L.chunk_state(False)] + [L.chunk_vec()] * 3,
+                      [L.chunk_block(L.BV)], [vma.out_struct((L.B, L.H, L.T, L.V), q.dtype, q)],
+                      (q, k, v, h_BHNKV, aux["b"], doc, aux["alpha"]), CHUNK_WARPS, CHUNK_STAGES, interpret)
+    return o_BHTV[..., :L.V0], hT_BHKV[:, :, :L.K0, :L.V0]
+
+
+def backward(q, k, v, aux, h0, do, dhT, scale, C, *, interpret=False, block_k=None, block_v=None):
+    """The states again (states sweep), dL/d(state leaving every chunk) (dstates sweep), then dv and dq, dk of
+    every chunk at once."""
+    L = _Layout(q, v, C, block_k, block_v)
+    f32 = jnp.float32
+    q, k, v, do = pad_last(q, L.K), pad_last(k, L.K), pad_last(v, L.V), pad_last(do, L.V)
+    h_BHNKV, _ = _states(k, v, aux, h0, L, q, interpret)
+    dh_BHNKV, dh0_BHKV = _call(
+        functools.partial(_dstates_kernel, scale=scale, C=L.C), "ling2_gla_dstates", (L.NV, L.NK, L.B, L.H),
+        [L.seq(True), L.seq(False), L.seq_vec(L.T), L.seq_vec(L.N), L.state()], [L.states(), L.state()],
+        [vma.out_struct((L.B, L.H, L.N, L.K, L.V), STATE_DTYPE or q.dtype, q),
+         vma.out_struct((L.B, L.H, L.K, L.V), f32, q)],
+        (q, do, aux["alpha"], _lam(aux, L), pad_state(dhT, L.K, L.V)), SWEEP_WARPS, SWEEP_STAGES, interpret)
+    doc = aux["doc"].astype(f32)
+    (dv_BHTV,) = _call(
+        functools.partial(_dv_kernel, scale=scale, BK=L.BK), "ling2_gla_dv", (L.NV, L.N, L.B, L.H),
+        [L.chunk(L.K), L.chunk(L.K), L.chunk_block(L.BV), L.chunk_state(False)] + [L.chunk_vec()] * 3,
+        [L.chunk_block(L.BV)], [vma.out_struct((L.B, L.H, L.T, L.V), f32, q)],
+        (q, k, do, dh_BHNKV, aux["b"], doc, aux["w"]), CHUNK_WARPS, CHUNK_STAGES, interpret)
+    dq_BHTK, dk_BHTK = _call(
+        functools.partial(_dqdk_kernel, scale=scale, BV=L.BV), "ling2_gla_dqdk", (L.NK, L.N, L.B, L.H),
+        [L.chunk_block(L.BK), L.chunk_block(L.BK), L.chunk(L.V), L.chunk(L.V), L.chunk_state(True),
+         L.chunk_state(True)] + [L.chunk_vec()] * 4,
+        [L.chunk_block(L.BK)] * 2, [vma.out_struct((L.B, L.H, L.T, L.K), f32, q)] * 2,
+        (q, k, v, do, h_BHNKV, dh_BHNKV, aux["b"], doc, aux["alpha"], aux["w"]), CHUNK_WARPS, CHUNK_STAGES,
+        interpret)
+    return dq_BHTK[..., :L.K0], dk_BHTK[..., :L.K0], dv_BHTV[..., :L.V0], dh0_BHKV[:, :, :L.K0, :L.V0]

@@ -2,7 +2,8 @@
 
 Reference: reference.naive_recurrence (a plain per-token scan; autodiff gradients).
 Forward and backward (dq, dk, dv, dg, d initial state), with packed segments, T not a
-multiple of the chunk, per-token g, bf16, and head dims that are not powers of two.
+multiple of the chunk, per-token g, bf16, and head dims that are not powers of two; the GPU
+kernels also split into several K and V blocks, and their stored chunk states (chunked.py's).
 """
 
 import functools
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 
 from ling2.kernels import gla
+from ling2.kernels.gla import chunked as gla_chunked
+from ling2.kernels.gla import op as gla_op
 from ling2.kernels.gla import pallas_gpu as gla_pallas_gpu
 
 B, H = 1, 2
@@ -64,20 +67,62 @@ def test_pallas_interpret_matches_naive(backend, case):
         np.testing.assert_allclose(a, b, rtol=0, atol=_tol(name, rtol) * np.abs(b).max(), err_msg=name)
 
 
-def test_pallas_gpu_split_over_v_blocks(monkeypatch):
-    """Several V blocks per head (partial dq, dk summed outside) give the same numbers."""
-    monkeypatch.setattr(gla_pallas_gpu, "BLOCK_V", 16)
-    T, K, V = 24, 16, 48  # V pads to 64: four blocks of 16
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_gpu_split_over_k_and_v_blocks(monkeypatch, dtype):
+    """Several K and V blocks per head (sweep programs carrying state blocks, chunk kernels summing over the
+    blocks) with documents that cross chunk edges and an initial state give the same numbers."""
+    monkeypatch.setattr(gla_pallas_gpu, "BLOCK_K", 16)
+    monkeypatch.setattr(gla_pallas_gpu, "BLOCK_V", 32)
+    T, K, V = 50, 48, 40  # K and V pad to 64: four K blocks of 16, two V blocks of 32
     r = np.random.default_rng(2)
-    q, k = (jnp.asarray(r.standard_normal((B, T, H, K)), jnp.float32) for _ in range(2))
-    v = jnp.asarray(r.standard_normal((B, T, H, V)), jnp.float32)
-    g = -jnp.asarray(r.uniform(0, 2, (B, T, H)), jnp.float32)
+    q, k = (jnp.asarray(r.standard_normal((B, T, H, K)), dtype) for _ in range(2))
+    v = jnp.asarray(r.standard_normal((B, T, H, V)), dtype)
+    g = -jnp.asarray(r.uniform(0, 1, (B, T, H)), jnp.float32)
     h0 = jnp.asarray(r.standard_normal((B, H, K, V)), jnp.float32)
-    seg = jnp.asarray([[0] * 5 + [1] * (T - 5)])
+    seg = jnp.asarray([[0] * 5 + [1] * 20 + [2] * (T - 25)])  # document 1 spans the edge of chunks 0 and 1
     got = _value_and_grads(q, k, v, g, h0, seg, "pallas_gpu", 16)
     want = _value_and_grads(q, k, v, g, h0, seg, "naive", 16)
+    rtol = 5e-2 if dtype == jnp.bfloat16 else 2e-5
     for name, a, b in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dh0"], got, want):
-        np.testing.assert_allclose(a, b, rtol=0, atol=_tol(name, 2e-5) * np.abs(b).max(), err_msg=name)
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        np.testing.assert_allclose(a, b, rtol=0, atol=_tol(name, rtol) * np.abs(b).max(), err_msg=name)
+
+
+def test_pallas_gpu_stored_states_match_chunked():
+    """The states sweep stores the state entering every chunk: chunked.py's states, in STATE_DTYPE."""
+    T, K, V, C = 64, 24, 40, 16
+    r = np.random.default_rng(4)
+    k = jnp.asarray(r.standard_normal((B, H, T, K)), jnp.float32)
+    v = jnp.asarray(r.standard_normal((B, H, T, V)), jnp.float32)
+    g = -jnp.asarray(r.uniform(0, 1, (B, T, H)), jnp.float32)
+    aux = gla_op.prepare_aux(g, jnp.asarray([[0] * 20 + [1] * (T - 20)]), C)  # a document starts inside chunk 1
+    h0 = jnp.asarray(r.standard_normal((B, H, K, V)), jnp.float32)
+    want_h, want_hT = gla_chunked._states(k, v, aux, h0, C)
+    L = gla_pallas_gpu._Layout(k, v, C, None, None)
+    pad = gla_pallas_gpu.pad_last
+    h, hT = gla_pallas_gpu._states(pad(k, L.K), pad(v, L.V), aux, h0, L, k, interpret=True)
+    np.testing.assert_allclose(h[..., :K, :V], want_h, rtol=0, atol=1e-5 * np.abs(want_h).max())
+    np.testing.assert_allclose(hT[..., :K, :V], want_hT, rtol=0, atol=1e-5 * np.abs(want_hT).max())
+    assert h.dtype == (gla_pallas_gpu.STATE_DTYPE or k.dtype)
+
+
+def test_pallas_gpu_bf16_inputs_store_states_exactly_as_bf16(monkeypatch):
+    """With bf16 inputs every matmul rounds the stored states to bf16, so STATE_DTYPE None (states kept in q's
+    dtype, half the memory) gives bit for bit what fp32 storage gives."""
+    r = np.random.default_rng(5)
+    T, K, V, C = 64, 32, 32, 16
+    q, k = (jnp.asarray(r.standard_normal((B, H, T, K)), jnp.bfloat16) for _ in range(2))
+    v, do = (jnp.asarray(r.standard_normal((B, H, T, V)), jnp.bfloat16) for _ in range(2))
+    aux = gla_op.prepare_aux(-jnp.asarray(r.uniform(0, 1, (B, T, H)), jnp.float32), jnp.asarray([[0] * 20 + [1] * 44]),
+                             C)
+    h0, dhT = (jnp.asarray(r.standard_normal((B, H, K, V)), jnp.float32) for _ in range(2))
+    outs = []
+    for state_dtype in (jnp.float32, None):
+        monkeypatch.setattr(gla_pallas_gpu, "STATE_DTYPE", state_dtype)
+        outs.append(gla_pallas_gpu.forward(q, k, v, aux, h0, 0.2, C, interpret=True)
+                    + gla_pallas_gpu.backward(q, k, v, aux, h0, do, dhT, 0.2, C, interpret=True))
+    for name, a, b in zip(["o", "final_state", "dq", "dk", "dv", "dh0"], *outs):
+        np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 def test_pallas_gpu_rejects_non_power_of_two_chunk():
@@ -92,7 +137,8 @@ def test_pallas_gpu_rejects_non_power_of_two_chunk():
                                                        ("auto", "tpu", "custom_call @tpu_custom_call")])
 @pytest.mark.parametrize("T, D, dtype", [(1088, 128, jnp.bfloat16), (100, 24, jnp.float32)])
 def test_kernels_lower_for_real_hardware(backend, platform, marker, T, D, dtype):
-    """Without interpret mode, forward and backward lower through Triton / Mosaic to three kernel calls;
+    """Without interpret mode, forward and backward lower through Triton / Mosaic to their kernel calls (TPU:
+    forward, dq sweep, dk/dv reverse sweep; GPU: states and outputs, then states, dstates, dv and dqdk);
     "auto" picks the kernel of the platform lowered for, here on a CPU host."""
 
     def loss(q, k, v, g, seg):
@@ -103,7 +149,7 @@ def test_kernels_lower_for_real_hardware(backend, platform, marker, T, D, dtype)
     args = (x, x, x, jax.ShapeDtypeStruct((4,), jnp.float32), jax.ShapeDtypeStruct((2, T), jnp.int32))
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     text = grad.trace(*args).lower(lowering_platforms=(platform,)).as_text()
-    assert text.count(marker) == 3  # forward, dq sweep, dk/dv reverse sweep
+    assert text.count(marker) == {"cuda": 6, "tpu": 3}[platform]
 
 
 def test_auto_runs_the_chunked_backend_on_cpu():

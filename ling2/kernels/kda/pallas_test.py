@@ -60,6 +60,8 @@ CASES = {
     # name: (T, K, V, chunk, gate range, dtype)
     "fp32_T_ragged_odd_dims": (45, 24, 40, 16, (-5.0, 0.0), jnp.float32),
     "bf16_gate_near_-5": (33, 16, 32, 16, (-5.0, -4.5), jnp.bfloat16),
+    "fp32_four_sub_chunks": (150, 16, 24, 64, (-5.0, 0.0), jnp.float32),  # GPU prologue: off-diagonal blocks
+    "fp32_unbounded_gate": (80, 16, 16, 32, (-80.0, -20.0), jnp.float32),
 }
 
 
@@ -76,10 +78,12 @@ def test_pallas_interpret_matches_naive(backend, case):
     _check(got, want, 3e-2 if dtype == jnp.bfloat16 else 2e-5)
 
 
-def test_pallas_gpu_split_over_v_blocks(monkeypatch):
-    """Several V blocks per head (partial dq, dk, dg, dbeta summed outside) give the same numbers."""
+def test_pallas_gpu_split_over_v_and_key_blocks(monkeypatch):
+    """Several V blocks per head in the sweeps and several key blocks in the prologue's pair products give the
+    same numbers."""
     monkeypatch.setattr(kda_pallas_gpu, "BLOCK_V", 16)
-    args = _inputs(24, 16, 48, jnp.float32, seed=2)  # V pads to 64: four blocks of 16
+    monkeypatch.setattr(kda_pallas_gpu, "BLOCK_K", 16)
+    args = _inputs(24, 32, 48, jnp.float32, seed=2)  # V pads to 64: four blocks of 16; K two blocks of 16
     seg = jnp.asarray([[0] * 5 + [1] * 19])
     _check(_value_and_grads(*args, seg, "pallas_gpu", 16), _value_and_grads(*args, seg, "naive", 16), 2e-5)
 
@@ -96,7 +100,7 @@ def test_pallas_gpu_rejects_non_power_of_two_chunk():
                                                        ("auto", "tpu", "custom_call @tpu_custom_call")])
 @pytest.mark.parametrize("T, D, dtype", [(1088, 128, jnp.bfloat16), (100, 24, jnp.float32)])
 def test_kernels_lower_for_real_hardware(backend, platform, marker, T, D, dtype):
-    """Without interpret mode, forward and backward lower through Triton / Mosaic to three kernel calls;
+    """Without interpret mode, forward and backward lower through Triton / Mosaic to their kernel calls;
     "auto" picks the kernel of the platform lowered for, here on a CPU host."""
 
     def loss(q, k, v, g, beta, seg):
@@ -108,4 +112,5 @@ def test_kernels_lower_for_real_hardware(backend, platform, marker, T, D, dtype)
             jax.ShapeDtypeStruct((2, T), jnp.int32))
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
     text = grad.trace(*args).lower(lowering_platforms=(platform,)).as_text()
-    assert text.count(marker) == 3  # forward, state sweep, reverse sweep
+    # forward, state sweep, reverse sweep; on Triton also the two prologue kernels in the forward and the backward
+    assert text.count(marker) == (7 if platform == "cuda" else 3)
