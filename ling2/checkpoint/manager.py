@@ -24,7 +24,8 @@ An async save blocks the loop only while it copies the state (later steps donate
 accelerators copy to pinned host memory) and takes the data position; a background thread then runs
 orbax's whole save (orbax's own async mode spends ~0.2 s of per-leaf bookkeeping before returning).
 One save at a time: `wait`, `close` and the next save finish it and raise its error (one line; a
-full disk is named as such). Orbax's barriers go through the jax.distributed client
+full disk is named as such); `poll`, which the trainer calls every step, raises it as soon as the save has
+failed, without waiting for one in flight. Orbax's barriers go through the jax.distributed client
 (`active_processes` = all processes), which is safe off the main thread; its default
 device-collective barriers are not.
 """
@@ -45,7 +46,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ling2.checkpoint import save_noise
-from ling2.checkpoint.state import CONFIG_NAME, CheckpointError, read_config
+from ling2.checkpoint.state import CONFIG_NAME, CheckpointError, published_steps, read_config
 from ling2.config import ConfigError, load_config
 from ling2.config.files import crc32
 from ling2.config.loader import without_removed
@@ -306,8 +307,7 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """The published step directories, oldest first (a save in flight is not among them: `wait` first)."""
-        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()) if self.directory.is_dir() \
-            else []
+        return published_steps(self.directory)
 
     def resume_step(self, log: Callable[[str], None] = print, data: bool = True) -> Optional[int]:
         """The newest step that verifies (see the module doc), or None when there is no checkpoint.
@@ -363,8 +363,7 @@ class Checkpointer:
     def save(self, step: int, state, data_iter, meta: dict, force: bool = False) -> bool:
         """Saves every `checkpoint_period`-th step (any step with force), never one at or before the last
         saved. Async: returns once `state` and the data position are copied."""
-        if self._pending is not None and self._pending[1].done():
-            self.wait()  # a failed background save surfaces at the next step
+        self.poll()
         if self._last is not None and step <= self._last:
             return False
         if not (force or step % self.period == 0):
@@ -439,6 +438,12 @@ class Checkpointer:
             args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         out = self.manager.restore(step, args=ocp.args.Composite(**args))
         return out["state"], out["meta"]
+
+    def poll(self):
+        """Raises a finished background save's error (a CheckpointError naming its step and cause); returns at once
+        while the save is still running or when it succeeded."""
+        if self._pending is not None and self._pending[1].done():
+            self.wait()
 
     def wait(self):
         """Blocks until the save in flight is on disk; its error is raised here as a CheckpointError."""

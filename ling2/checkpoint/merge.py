@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ling2.checkpoint.safetensors_io import INDEX_NAME, ShardedReader
-from ling2.checkpoint.state import STATE_NAME, CheckpointError, key, model_leaves, state_writer
+from ling2.checkpoint.state import STATE_NAME, CheckpointError, key, model_leaves, published_steps, state_writer
 from ling2.config.schema import FIELD_GROUPS
 
 SHAPES = ("uniform", "linear", "cosine", "1-sqrt")
@@ -163,7 +163,7 @@ def step_dirs_of(run_dir, steps=None, last: int = 0) -> list[Path]:
     """The step directories {run_dir}/checkpoints/{s} of `steps` (ints), or of the newest `last` steps;
     CheckpointError naming a missing step or a run with fewer checkpoints."""
     root = Path(run_dir) / "checkpoints"
-    have = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+    have = published_steps(root)
     if steps:
         missing = [s for s in steps if s not in have]
         if missing:

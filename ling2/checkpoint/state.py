@@ -40,6 +40,13 @@ class CheckpointError(ValueError):
     directory and every offending leaf with both shapes."""
 
 
+def published_steps(checkpoints_dir) -> list[int]:
+    """The steps published under a run's checkpoints directory ({run}/checkpoints/{step}), oldest first; a save
+    in flight (orbax's temporary directory) is not among them. [] when the directory does not exist."""
+    d = Path(checkpoints_dir)
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
 class Leaf(NamedTuple):
     shape: tuple
     dtype: np.dtype

@@ -266,3 +266,26 @@ def test_long_context_configs():
     assert (l3.rope_type, l3.max_target_length, l3.max_position_embeddings) == ("default", 131072, 262144)
     for cfg in (k32, k128, l3):
         assert cfg.ici_context_parallelism == 4 and cfg.context_problem(4) is None
+
+
+@pytest.mark.parametrize("proxy, full, differ, layer_types", [
+    ("ling2-1gpu", "ling2", {"num_experts": 64, "base_num_decoder_layers": 10},
+     ("gla",) * 4 + ("mla",) + ("gla",) * 4 + ("mla",)),
+    ("ling3-1gpu", "ling3", {"num_experts": 64, "base_num_decoder_layers": 6, "first_num_dense_layers": 1},
+     ("kda",) * 5 + ("mla",)),
+])
+def test_one_gpu_proxies_are_their_model_at_its_widths_with_fewer_layers_and_local_experts(
+        proxy, full, differ, layer_types):
+    """configs/models/{ling2,ling3}-1gpu.yml (tools/bench/gpu/mfu.py): the full model's widths, 64 of its experts
+    (one expert-parallel slice), fewer layers with the first dense, MTP 1, the vocab-blocked loss, cuDNN MLA
+    where cuDNN takes the head dims, scanned (the scanned layout: tools/bench/gpu/mfu_test.py)."""
+    cfg, ref = load_config(model_name=proxy), load_config(model_name=full)
+    got, want = cfg.model_dump(), ref.model_dump()
+    changed = {k for k in want if got[k] != want[k]} - {"model_name", "layer_types", "mlp_types"}
+    assert changed == set(differ) | {"attention_kernel", "scan_layers"}
+    assert {k: got[k] for k in differ} == differ
+    assert ref.num_experts % cfg.num_experts == 0
+    assert (cfg.attention_kernel, cfg.scan_layers) == ("cudnn", True)
+    assert (cfg.mtp_num_layers, cfg.vocab_size, cfg.loss_vocab_blocks, cfg.num_experts_per_tok) == (1, 157184, 16, 8)
+    assert cfg.layer_types == layer_types
+    assert cfg.mlp_types == ("dense",) + ("moe",) * (len(layer_types) - 1)

@@ -278,6 +278,12 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
                 gp.add("compile", time.perf_counter() - t1)
                 t1 = time.perf_counter()
             step += 1
+            if ckpt is not None:
+                try:
+                    ckpt.poll()  # a background save that failed stops the run here, not at the next checkpoint
+                except CheckpointError as e:
+                    close()
+                    raise CheckpointError(f"{e} (found after step {step}; stopping)") from None
             profiler.after(step, state)
             steps_window += 1
             if unchecked is not None:

@@ -156,3 +156,24 @@ def test_run_ending_on_a_skipped_step_saves_nothing_after_it(tmp_path, how):
     assert any("step 3: non-finite" in line for line in logs)
     assert any("step 3 followed 1 skipped steps: not checkpointed" in line for line in logs), logs
     assert e2e.saved_steps(tmp_path) == [2]
+
+
+def test_failed_background_save_stops_the_run_at_the_next_step(tmp_path, monkeypatch):
+    """A background checkpoint save that fails is reported one step later (not at the next checkpoint step, one
+    period late): a CheckpointError naming the step whose save failed, its cause, and where it was found."""
+    from ling2.checkpoint.manager import Checkpointer
+    from ling2.checkpoint.state import CheckpointError
+
+    def failing_commit(self, step, args):
+        raise OSError(f"simulated storage failure for step {step}")
+
+    monkeypatch.setattr(Checkpointer, "_commit", failing_commit)
+    cfg = load_config(*e2e.MICRO, "async_checkpointing=true", "checkpoint_period=4", "steps=8", "log_period=100",
+                      config_file=find_file("configs/train/tiny_sample.yml"))
+    with pytest.raises(CheckpointError) as err:
+        loop.run(cfg, tmp_path, make_iterator_factory(find_file), log=lambda s: None, devices=jax.devices()[:1],
+                 tensorboard=False)
+    msg = str(err.value)
+    assert "/4: saving the checkpoint failed: OSError: simulated storage failure for step 4" in msg, msg
+    found = int(re.search(r"found after step (\d+)", msg).group(1))
+    assert 4 < found < 8, msg  # before step 8, the next checkpoint step

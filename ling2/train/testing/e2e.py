@@ -6,6 +6,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from ling2.checkpoint.state import published_steps
 from ling2.train.metrics import read_metrics
 
 MICRO = ["model_name=ling2-micro", "max_target_length=32", "per_device_batch_size=2", "eval_interval=0",
@@ -52,7 +53,6 @@ def wait_for(pred, proc, timeout=300):
 
 
 def saved_steps(run_dir):
-    d = Path(run_dir) / "checkpoints"
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+    return published_steps(Path(run_dir) / "checkpoints")
 
 

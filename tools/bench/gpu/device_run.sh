@@ -46,7 +46,8 @@ TEST_PID=""
 if has test; then  # beside the warm compiles: the device tests take little of the GPU
   stamp "phase test"
   ( new timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider \
-      ${TESTS:-ling2/kernels/gmm/gpu_device_test.py ling2/layers/attention_mla_gpu_device_test.py} > $R/device_test.txt 2>&1
+      ${TESTS:-ling2/kernels/gmm/gpu_device_test.py ling2/kernels/gpu_device_test.py ling2/layers/attention_mla_gpu_device_test.py} \
+      > $R/device_test.txt 2>&1
     echo "pytest exit $?" >> $R/device_test.txt ) & TEST_PID=$!
 fi
 if has warm; then
@@ -81,7 +82,7 @@ fi
 if has mfu; then
   stamp "phase mfu"
   for m in ${MFU_MODELS:-"ling2-1gpu:ling2"}; do
-    new env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${MFU_S:-150} python3 -m tools.bench.gpu.mfu --model ${m%%:*} \
+    new env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${MFU_S:-420} python3 -m tools.bench.gpu.mfu --model ${m%%:*} \
       --full_model ${m##*:} --batch $BATCH_1GPU --seq 4096 --repeats 5 --out $R/mfu_${m%%:*}.json
   done
   pack
