@@ -87,37 +87,32 @@ def _dstates_kernel(q_ref, do_ref, alpha_ref, lam_ref, dhT_ref, dh_ref, dh0_ref,
     dh0_ref[...] = jax.lax.fori_loop(0, N, body, dhT_ref[...])
 
 
-def _out_kernel(q_ref, k_ref, v_ref, h_ref, b_ref, doc_ref, alpha_ref, o_ref, *, scale, BK):
-    C, K = q_ref.shape
-    dt = q_ref.dtype
+def _scores_and_state(a_ref, b_ref, s_ref, width, BK):
+    """(a b^T [C, C], a s [C, width]) summed over K blocks of BK: a chunk's scores and its state term."""
+    C, K = a_ref.shape
+    dt = a_ref.dtype
 
     def body(i, acc):
-        qk_CC, qh_CV = acc
+        ab_CC, as_CV = acc
         ks = pl.ds(pl.multiple_of(i * BK, BK), BK)
-        q_CK = q_ref[:, ks]
-        return qk_CC + dot(q_CK, k_ref[:, ks], dt, tb=True), qh_CV + dot(q_CK, h_ref[ks, :], dt)
+        a_CK = a_ref[:, ks]
+        return ab_CC + dot(a_CK, b_ref[:, ks], dt, tb=True), as_CV + dot(a_CK, s_ref[ks, :], dt)
 
-    zeros = (jnp.zeros((C, C), jnp.float32), jnp.zeros(o_ref.shape, jnp.float32))
-    qk_CC, qh_CV = jax.lax.fori_loop(0, K // BK, body, zeros)
+    zeros = (jnp.zeros((C, C), jnp.float32), jnp.zeros((C, width), jnp.float32))
+    return jax.lax.fori_loop(0, K // BK, body, zeros)
+
+
+def _out_kernel(q_ref, k_ref, v_ref, h_ref, b_ref, doc_ref, alpha_ref, o_ref, *, scale, BK):
+    qk_CC, qh_CV = _scores_and_state(q_ref, k_ref, h_ref, o_ref.shape[1], BK)
     A_CC = qk_CC * _decay(b_ref, doc_ref, scale)
-    o_CV = dot(A_CC, v_ref[...], dt) + (scale * alpha_ref[...])[:, None] * qh_CV
+    o_CV = dot(A_CC, v_ref[...], q_ref.dtype) + (scale * alpha_ref[...])[:, None] * qh_CV
     o_ref[...] = o_CV.astype(o_ref.dtype)
 
 
 def _dv_kernel(q_ref, k_ref, do_ref, dh_ref, b_ref, doc_ref, w_ref, dv_ref, *, scale, BK):
-    C, K = q_ref.shape
-    dt = q_ref.dtype
-
-    def body(i, acc):
-        kq_CC, kdh_CV = acc
-        ks = pl.ds(pl.multiple_of(i * BK, BK), BK)
-        k_CK = k_ref[:, ks]
-        return kq_CC + dot(k_CK, q_ref[:, ks], dt, tb=True), kdh_CV + dot(k_CK, dh_ref[ks, :], dt)
-
-    zeros = (jnp.zeros((C, C), jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
-    kq_CC, kdh_CV = jax.lax.fori_loop(0, K // BK, body, zeros)
+    kq_CC, kdh_CV = _scores_and_state(k_ref, q_ref, dh_ref, dv_ref.shape[1], BK)
     At_CC = kq_CC * _decay(b_ref, doc_ref, scale, transpose=True)
-    dv_ref[...] = dot(At_CC, do_ref[...], dt) + w_ref[...][:, None] * kdh_CV
+    dv_ref[...] = dot(At_CC, do_ref[...], q_ref.dtype) + w_ref[...][:, None] * kdh_CV
 
 
 def _dqdk_kernel(q_ref, k_ref, v_ref, do_ref, h_ref, dh_ref, b_ref, doc_ref, alpha_ref, w_ref, dq_ref, dk_ref,
