@@ -29,6 +29,37 @@ def time_round_robin(fns, repeats: int) -> list[float]:
     return [float(np.median(t)) for t in times]
 
 
+def queued_seconds(f, args, calls: int = 10, batches: int = 3) -> float:
+    """Seconds per call of f(*args) on an accelerator, device-bound: after a warm-up, `calls` calls are queued
+    back to back and synchronised once (median of `batches` such batches), so host dispatch hides behind the
+    device's work instead of adding to it."""
+    import jax
+    import numpy as np
+
+    jax.block_until_ready(f(*args))
+    out = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        r = None
+        for _ in range(calls):
+            r = f(*args)
+        jax.block_until_ready(r)
+        out.append((time.perf_counter() - t0) / calls)
+    return float(np.median(out))
+
+
+def matmul_rate(n: int = 8192, dtype="bfloat16", calls: int = 10) -> float:
+    """Measured FLOP/s of an [n, n] x [n, n] matmul in `dtype` (device-bound, `queued_seconds`): the rate
+    the GPU benchmarks state their kernels against."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), dtype)
+    f = jax.jit(lambda a, b: a @ b).lower(a, a).compile()
+    return 2 * n**3 / queued_seconds(f, (a, a), calls)
+
+
 def host_facts() -> dict:
     """Date, host, cores, load and JAX's device: what a result needs to be compared later."""
     import jax

@@ -227,25 +227,19 @@ def _gmm_vjp_bwd(transpose_rhs, interpret, res, dy_MP):
 _gmm_vjp.defvjp(_gmm_vjp_fwd, _gmm_vjp_bwd)
 
 
+def _pad_to(x, axis: int, multiple: int):
+    extra = -x.shape[axis] % multiple
+    return jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)]) if extra else x
+
+
 def grouped_matmul(x_MQ, w, gs_G, *, transpose_rhs: bool = False, interpret: bool = False):
     """Differentiable gmm for any M, Q, P: rows are padded to whole row tiles and Q, P to multiples of 16
     with zeros (which add nothing), and the result sliced back; w is cast to x's dtype."""
     M = x_MQ.shape[0]
-    Q = x_MQ.shape[1]
     P = w.shape[1] if transpose_rhs else w.shape[2]
-    tile = max(GMM_TILES[0], TGMM_TILES[0])
-    pm, pq, pp = -M % tile, -Q % 16, -P % 16
-    x = jnp.pad(x_MQ, ((0, pm), (0, pq))) if pm or pq else x_MQ
-    w = w.astype(x_MQ.dtype)
-    if pq or pp:
-        w = jnp.pad(w, ((0, 0), (0, pp), (0, pq)) if transpose_rhs else ((0, 0), (0, pq), (0, pp)))
-    y = _gmm_vjp(x, w, gs_G.astype(jnp.int32), transpose_rhs, interpret)
-    return y[:M, :P]
-
-
-def _pad_to(x, axis: int, multiple: int):
-    extra = -x.shape[axis] % multiple
-    return jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)]) if extra else x
+    x = _pad_to(_pad_to(x_MQ, 0, max(GMM_TILES[0], TGMM_TILES[0])), 1, 16)
+    w = _pad_to(_pad_to(w.astype(x_MQ.dtype), 1, 16), 2, 16)
+    return _gmm_vjp(x, w, gs_G.astype(jnp.int32), transpose_rhs, interpret)[:M, :P]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

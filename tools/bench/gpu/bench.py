@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling2.kernels.testing import fla_reference  # fla-core's Triton ops (torch), test-only
-from tools.bench.report import host_facts
+from tools.bench.report import host_facts, matmul_rate
 
 # Dense bf16 tensor-core peak without sparsity (NVIDIA H100 SXM / H200 datasheets: 989.4 TFLOP/s).
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}
@@ -168,12 +168,6 @@ def with_ratios(rows, fla_name):
         if ref and ref.get("seconds") and r.get("seconds"):
             r["ratio_vs_fla"] = r["seconds"] / ref["seconds"]
     return rows
-
-
-def matmul_rate(n=8192, repeats=10):
-    r = np.random.default_rng(0)
-    a, b = (jnp.asarray(r.standard_normal((n, n), np.float32), jnp.bfloat16) for _ in range(2))
-    return 2 * n**3 / _median_seconds(_jax_runner(lambda a, b: a @ b, (a, b)), repeats)
 
 
 def _variant(spec: str):

@@ -33,7 +33,7 @@ fi
 new() { (cd $NEW && PYTHONPATH=/tmp/site:$NEW "$@"); }
 base() { (cd $BASE && PYTHONPATH=/tmp/site:$BASE "$@"); }
 STEP_NEW=${STEP_NEW:-"ling2-small:attention_kernel=cudnn ling2-1gpu ling2-1gpu:moe_gmm_backend=blocked"}
-STEP_BASE=${STEP_BASE:-"ling2-small:attention_kernel=cudnn"}
+STEP_BASE=${STEP_BASE-"ling2-small:attention_kernel=cudnn"}  # set empty: no baseline rows
 BATCH=${BATCH:-8}; BATCH_1GPU=${BATCH_1GPU:-4}
 batch() { case $1 in *1gpu*) echo $BATCH_1GPU;; *) echo $BATCH;; esac; }
 stepb() {  # new|base spec mem_fraction seconds extra-args...

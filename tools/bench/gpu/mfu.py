@@ -37,7 +37,7 @@ from flax import nnx
 from ling2.layers import moe
 from ling2.layers.attention import ATTENTION
 from ling2.layers.plan import LayerSpec, layer_plan
-from tools.bench.report import host_facts, planned_bytes, results_path, time_round_robin
+from tools.bench.report import host_facts, matmul_rate, planned_bytes, results_path, time_round_robin
 
 PEAK_BF16_FLOPS = 989.4e12  # H100 / H200 SXM, dense bf16
 F32 = jnp.float32
@@ -290,13 +290,10 @@ def time_compiled(fn: Callable[[], Any], repeats: int) -> float:
     return time_round_robin([fn], repeats)[0]
 
 
-def matmul_rate(n: int, dtype, repeats: int) -> dict:
-    """Measured FLOP/s of one [n, n] x [n, n] matmul in `dtype`."""
-    r = np.random.default_rng(0)
-    a, b = (jnp.asarray(r.normal(size=(n, n)), dtype) for _ in range(2))
-    f = jax.jit(lambda a, b: a @ b)
-    s = time_compiled(lambda: f(a, b), repeats)
-    return {"n": n, "dtype": jnp.dtype(dtype).name, "step_s": s, "flops_per_s": 2 * n**3 / s}
+def matmul_record(n: int, dtype, repeats: int) -> dict:
+    """The measured rate of one [n, n] x [n, n] matmul in `dtype` (tools.bench.report.matmul_rate)."""
+    rate = matmul_rate(n, dtype, calls=repeats)
+    return {"n": n, "dtype": jnp.dtype(dtype).name, "step_s": 2 * n**3 / rate, "flops_per_s": rate}
 
 
 def time_step(cfg, model_state, rows: int, seq: int, repeats: int, *, heads: bool) -> dict:
@@ -369,7 +366,7 @@ def run(model: str, full_model: str, batch: int, seq: int, repeats: int, out: st
 
     save()
     if "matmul" in phases:
-        phase("matmul", lambda: matmul_rate(matmul_n, jnp.bfloat16, repeats))
+        phase("matmul", lambda: matmul_record(matmul_n, jnp.bfloat16, repeats))
     state = None
     for name, heads in (("whole", True), ("no_heads", False)):
         if name in phases:

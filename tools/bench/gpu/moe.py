@@ -24,26 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling2.layers import moe_gmm
-from tools.bench.report import host_facts
-
-
-def _batches_seconds(f, args, calls, batches=3):
-    jax.block_until_ready(f(*args))
-    out = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        r = None
-        for _ in range(calls):
-            r = f(*args)
-        jax.block_until_ready(r)
-        out.append((time.perf_counter() - t0) / calls)
-    return float(np.median(out))
-
-
-def matmul_rate(n=8192, calls=10):
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.bfloat16)
-    f = jax.jit(lambda a, b: a @ b).lower(a, a).compile()
-    return 2 * n**3 / _batches_seconds(f, (a, a), calls)
+from tools.bench.report import host_facts, matmul_rate, queued_seconds
 
 
 def _mgpu_ffn():
@@ -132,7 +113,7 @@ def rows(args, rate, save):
                     if row["temp_GiB"] > 4 and row["temp_GiB"] * 2**30 > 8 * operand_bytes:
                         row["skipped"] = "plans > 8x its operands' bytes of temporaries (dense over the experts)"
                     else:
-                        row["seconds"] = _batches_seconds(c, (x, gs, *w), args.calls)
+                        row["seconds"] = queued_seconds(c, (x, gs, *w), args.calls)
                         row["tflops"] = row["gemm_flops"] / row["seconds"] / 1e12
                         row["of_matmul_rate"] = row["gemm_flops"] / row["seconds"] / rate
                 except Exception as e:  # noqa: BLE001 - a backend that fails is a result
@@ -161,7 +142,7 @@ def main():
     args.backends = args.backends.split(",")
     if jax.default_backend() != "gpu":
         raise SystemExit(f"tools/bench/gpu/moe needs a GPU; JAX's default backend is {jax.default_backend()!r}")
-    rate = matmul_rate()
+    rate = matmul_rate(calls=args.calls)
     head = {**host_facts(), "command": " ".join(sys.argv[1:]), "matmul_bf16_tflops": rate / 1e12}
     print(f"bf16 8192^3 matmul: {rate / 1e12:.0f} TFLOP/s", flush=True)
 
