@@ -50,8 +50,8 @@ def recurrent(q, k, v, g_BTH, h0=None, scale=None):
 
 
 def chunk_op_runner(op, mode, x, **options):
-    """A no-argument callable that runs fla's Triton `chunk_simple_gla` (op "gla") or `chunk_kda` ("kda") once
-    on CUDA and synchronises, for benchmarks. x: numpy arrays q, k, v [B,T,H,D], g ([B,T,H] for GLA, [B,T,H,K]
+    """A callable run(n=1) that runs fla's Triton `chunk_simple_gla` (op "gla") or `chunk_kda` ("kda") n times
+    back to back on CUDA and synchronises once, for benchmarks. x: numpy arrays q, k, v [B,T,H,D], g ([B,T,H] for GLA, [B,T,H,K]
     for KDA) and KDA's beta [B,T,H]; they go to the GPU as fla's layers pass them: gates fp32, the rest bf16.
     mode "fwd" runs under no_grad; "fwd+bwd" also back-propagates sum(o) to every input fla differentiates
     (GLA: q, k, v; KDA: q, k, v, g, beta). options: extra keyword arguments of the op.
@@ -69,15 +69,16 @@ def chunk_op_runner(op, mode, x, **options):
     t = {n: torch.tensor(np.asarray(a), device="cuda", dtype=torch.float32 if n == "g" else torch.bfloat16,
                          requires_grad=mode != "fwd" and n in grads) for n, a in x.items()}
 
-    def run():
-        if mode == "fwd":
-            with torch.no_grad():
-                fla_op(**t, **options)
-        else:
-            o, _ = fla_op(**t, **options)
-            o.float().sum().backward()
-            for n in grads:
-                t[n].grad = None
+    def run(n=1):
+        for _ in range(n):
+            if mode == "fwd":
+                with torch.no_grad():
+                    fla_op(**t, **options)
+            else:
+                o, _ = fla_op(**t, **options)
+                o.float().sum().backward()
+                for name in grads:
+                    t[name].grad = None
         torch.cuda.synchronize()
 
     return run

@@ -9,8 +9,8 @@ kernels: B=2, H=16, K=V=128, bf16, at each --ts; forward and forward+backward of
   `chunk_kda`, torch, from the fla-core wheel; for KDA also with `safe_gate=True, lower_bound=-5`, the
   bounded gate Ling 3 uses), and causal softmax attention through cuDNN
   (`jax.nn.dot_product_attention(implementation="cudnn")`, the same B, H, D: the MLA-layer cost a
-  linear layer replaces). Times are medians of --repeats runs after a warm-up (device-synchronised
-  wall clock). Backward is with respect to every input fla differentiates (GLA: q, k, v; KDA: q, k,
+  linear layer replaces). Times are device-bound: per call, the median over --repeats batches of 10
+  calls queued back to back and synchronised once, after a warm-up. Backward is with respect to every input fla differentiates (GLA: q, k, v; KDA: q, k,
   v, g, beta).
 step: ling2-small and ling3-small train steps (jitted gradient of the training objective: main CE +
   MoE aux + MTP; tools/bench/step) at --seq, --batch rows, bf16 compute. MFU = tokens/s x Ling2's
@@ -34,21 +34,34 @@ from tools.bench.report import host_facts, matmul_rate
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}
 
 
+CALLS = 10  # calls queued per timed batch
+
+
 def _median_seconds(run, repeats):
-    run()  # warm-up (compiled already; autotuning for fla)
+    """Device-bound seconds per call: run(n) queues n calls and synchronises once (host dispatch hides behind
+    the device's work, as in `tools.bench.report.queued_seconds`); the median of `repeats` batches."""
+    run(1)  # warm-up (compiled already; autotuning for fla)
     if not repeats:
         return None
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
+        run(CALLS)
+        times.append((time.perf_counter() - t0) / CALLS)
     return float(np.median(times))
 
 
 def _jax_runner(fn, args):
+    """run(n): n calls of the compiled fn, synchronised once."""
     compiled = jax.jit(fn).lower(*args).compile()
-    return lambda: jax.block_until_ready(compiled(*args))
+
+    def run(n):
+        out = None
+        for _ in range(n):
+            out = compiled(*args)
+        jax.block_until_ready(out)
+
+    return run
 
 
 def _inputs(op, B, T, H, D, seed=0):
@@ -132,7 +145,7 @@ def kernels(args, save):
     rows = []
     for T in args.ts:
         x = _inputs(args.op, B, T, H, D)
-        for mode in ("fwd", "fwd+bwd"):
+        for mode in args.modes:
             makers = {"pallas_gpu": lambda: _ling2_runner(args.op, "pallas_gpu", mode, x),
                       "pallas_gpu_bv32": _with_block_v(args.op, 32, lambda: _ling2_runner(args.op, "pallas_gpu", mode, x)),
                       "chunked": lambda: _ling2_runner(args.op, "chunked", mode, x),
@@ -219,6 +232,7 @@ def main():
     p.add_argument("what", choices=("kernels", "step"))
     p.add_argument("--op", choices=("gla", "kda"), default="gla")
     p.add_argument("--ts", default="4096,16384,32768")
+    p.add_argument("--modes", default="fwd,fwd+bwd", help="kernels: fwd, fwd+bwd or both (comma-separated)")
     p.add_argument("--impls", default="", help="kernels: only these implementations (comma-separated; default all)")
     p.add_argument("--models", default="ling2-small,ling3-small",
                    help="step: model[:key=value...] variants, comma-separated (e.g. ling2-small:moe_gmm_backend=blocked)")
@@ -236,6 +250,7 @@ def main():
     args = p.parse_args()
     args.ts = [int(t) for t in args.ts.split(",")]
     args.models = args.models.split(",")
+    args.modes = args.modes.split(",")
     args.impls = [i for i in args.impls.split(",") if i]
     args.attention_kernels = args.attention_kernels.split(",") if args.attention_kernels else [""]
     if jax.default_backend() != "gpu":

@@ -4,9 +4,10 @@
 # .whl: the pure-Python packages the image lacks (pydantic, grain, fla-core and their missing dependencies;
 # NOTES.md). .base: `git archive` of the commit to compare against (baseline rows run from it), optional.
 # LING2_FROM_BASE: paths the new rows take from .base (work in progress left out of a run).
-# Phases (PHASES, default all), in this order: test (device correctness tests, beside the warm compiles), warm
-# (every step's compile, side by side, into JAX's persistent cache), step (timed steps + traces), mfu (the
-# three MFU figures), moe (the grouped SwiGLU alone per backend), kernels (GLA and KDA vs fla). Each phase is under `timeout`; results are
+# Phases (PHASES, run in the order given; default below): test (device correctness tests, beside the warm
+# compiles), warm (every step's compile, side by side, into JAX's persistent cache), step (timed steps + traces),
+# mfu (the three MFU figures), moe (the grouped SwiGLU alone per backend), kernels (GLA and KDA vs fla, device-bound).
+# Each phase is under `timeout`; results are
 # packed into $OUT/results.tar.gz (raw traces the reader could not read: traces.tar.gz) after every phase, so a
 # run cut short keeps what it measured.
 set -u
@@ -15,8 +16,7 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 T0=$(date +%s); stamp() { echo "== $(( $(date +%s) - T0 ))s: $*"; }
 pack() { tar -czf "$OUT/results.tar.gz" -C $R . 2>/dev/null
         [ -d /tmp/raw ] && tar -czf "$OUT/traces.tar.gz" -C /tmp/raw . 2>/dev/null; }
-PHASES=${PHASES:-test,warm,moe,step,mfu,kernels}
-has() { [[ ",$PHASES," == *",$1,"* ]]; }
+PHASES=${PHASES:-test,warm,kernels,step,moe,mfu}
 stamp start; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee $R/gpu.txt
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:. JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -43,25 +43,25 @@ stepb() {  # new|base spec mem_fraction seconds extra-args...
 }
 
 TEST_PID=""
-if has test; then  # beside the warm compiles: the device tests take little of the GPU
+phase_test() {  # beside the warm compiles: the device tests take little of the GPU
   stamp "phase test"
   ( new timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider \
       ${TESTS:-ling2/kernels/gmm/gpu_device_test.py ling2/kernels/gpu_device_test.py ling2/layers/attention_mla_gpu_device_test.py} \
       > $R/device_test.txt 2>&1
     echo "pytest exit $?" >> $R/device_test.txt ) & TEST_PID=$!
-fi
-if has warm; then
+}
+phase_warm() {
   stamp "phase warm: compiles side by side"; PIDS=""
   for s in $STEP_NEW; do
-    stepb new "$s" 0.1 ${WARM_S:-200} --compile_only --out /tmp/compile_new_${s//[:=]/_}.json > /tmp/compile_new_${s//[:=]/_}.log 2>&1 & PIDS="$PIDS $!"
+    stepb new "$s" ${WARM_FRAC:-0.1} ${WARM_S:-200} --compile_only --out /tmp/compile_new_${s//[:=]/_}.json > /tmp/compile_new_${s//[:=]/_}.log 2>&1 & PIDS="$PIDS $!"
   done
   if [ -d .base ]; then for s in $STEP_BASE; do
-    stepb base "$s" 0.1 ${WARM_S:-200} --compile_only --out /tmp/compile_base_${s//[:=]/_}.json > /tmp/compile_base_${s//[:=]/_}.log 2>&1 & PIDS="$PIDS $!"
+    stepb base "$s" ${WARM_FRAC:-0.1} ${WARM_S:-200} --compile_only --out /tmp/compile_base_${s//[:=]/_}.json > /tmp/compile_base_${s//[:=]/_}.log 2>&1 & PIDS="$PIDS $!"
   done; fi
   wait $PIDS $TEST_PID; TEST_PID=""
   tail -n 2 /tmp/compile_*.log; cp /tmp/compile_*.log $R/ 2>/dev/null; pack
-fi
-if has step; then
+}
+phase_step() {
   stamp "phase step"
   if [ -d .base ]; then for s in $STEP_BASE; do
     stepb base "$s" 0.9 ${STEP_S:-100} --repeats 5 --trace /tmp/trace_base --out $R/step_base_${s//[:=]/_}.json
@@ -78,28 +78,32 @@ if has step; then
     head -40 $R/$n.txt
   done
   pack
-fi
-if has mfu; then
+}
+phase_mfu() {
   stamp "phase mfu"
   for m in ${MFU_MODELS:-"ling2-1gpu:ling2"}; do
     new env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${MFU_S:-420} python3 -m tools.bench.gpu.mfu --model ${m%%:*} \
       --full_model ${m##*:} --batch $BATCH_1GPU --seq 4096 --repeats 5 --out $R/mfu_${m%%:*}.json
   done
   pack
-fi
-if has moe; then
+}
+phase_moe() {
   stamp "phase moe"
   new env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${MOE_S:-120} python3 -m tools.bench.gpu.moe --out $R/moe.json \
     ${MOE_ARGS:-}; pack
-fi
-if has kernels; then
+}
+phase_kernels() {
   stamp "phase kernels"
   for op in gla kda; do
     new env XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${KERNEL_S:-120} python3 -m tools.bench.gpu.bench kernels --op $op \
-      --impls ${KERNEL_IMPLS:-pallas_gpu,fla_chunk_simple_gla,fla_chunk_kda} --out $R/$op.json
+      --impls ${KERNEL_IMPLS:-pallas_gpu,fla_chunk_simple_gla,fla_chunk_kda} --ts ${KERNEL_TS:-4096,16384,32768} --out $R/$op.json
   done
   pack
-fi
+}
+for p in ${PHASES//,/ }; do
+  declare -F phase_$p > /dev/null || { echo "unknown phase $p (test, warm, step, mfu, moe, kernels)"; exit 2; }
+  phase_$p
+done
 [ -n "$TEST_PID" ] && wait $TEST_PID; tail -3 $R/device_test.txt 2>/dev/null
 stamp done
 pack; ls -la $R
