@@ -2,7 +2,7 @@
 host): `moe_ep_all_to_all` auto/ragged compiles to ragged all-to-alls feeding megablox's kernels, forward and
 backward; the ragged exchange moves 1/n of the padded one's bytes (read from the compiled HLO by
 `ling2.train.hlo_traffic`); a receive bound shrinks the temporaries. CPU equality of the ragged path's values
-and gradients: ling2/layers/moe_ep_test.py and ling2/train/context_parallel_test.py (emulated exchange)."""
+and gradients: ling2/layers/moe/ep_test.py and ling2/train/context_parallel_test.py (emulated exchange)."""
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,7 @@ D, F = 512, 256
 def compiled_ep(a2a: str, capacity: float = 0.0):
     """The gradient of the expert-parallel MoE body over 4 v5p chips (expert axis 4), compiled for TPU."""
     from ling2.config import load_config
-    from ling2.layers import moe_ep
+    from ling2.layers.moe import ep as moe_ep
 
     cfg = load_config(model_name="ling2-tiny", base_emb_dim=512, base_moe_mlp_dim=256, num_experts=16)
     devs = np.asarray(topology.devices("v5p-8")).reshape(1, 1, 4, 1, 1)

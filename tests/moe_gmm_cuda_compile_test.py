@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from ling2.kernels.testing.cuda import TRITON, h100_arg
-from ling2.layers import moe_gmm
+from ling2.kernels.moe import gmm as moe_gmm
 from ling2.train import hlo_traffic
 
 M, D, F, E = 4 * 4096 * 8, 2048, 512, 64

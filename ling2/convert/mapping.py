@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ling2.layers.attention import ATTENTION
+from ling2.layers.attention.registry import ATTENTION
 from ling2.layers.plan import layer_plan
 
 

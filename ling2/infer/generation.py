@@ -6,7 +6,7 @@ Layout. B prompts are left-padded into one [B, M + P] prefill (P the longest pro
 to PROMPT_BUCKET, M a margin of 2K slots for the speculative window), so every row's next token
 goes to the same slot. Padding has segment id 0: the GLA kernel restarts its state where the
 segment changes and attention only sees equal segments, so padding never reaches a row's
-document (`ling2.layers.decode`). Or prompts are packed into rows of documents with distinct
+document (`ling2.layers.attention.decode`). Or prompts are packed into rows of documents with distinct
 segment ids (`packed=True`), prefilled together, and each document's latents, GLA end state
 and hidden states are moved into its own row of the same layout.
 
@@ -33,8 +33,8 @@ import numpy as np
 from flax import nnx
 
 from ling2.infer.load import InferError
-from ling2.layers import decode as decode_lib
-from ling2.layers.moe import MoE
+from ling2.layers.attention import decode as decode_lib
+from ling2.layers.moe.layer import MoE
 
 PROMPT_BUCKET = 32
 F32 = jnp.float32

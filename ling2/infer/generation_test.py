@@ -18,7 +18,7 @@ from ling2.infer.generation import Generator, InferError, generate, pack_rows
 from ling2.infer.testing.models import greedy_by_full_forward, micro, prompts
 from ling2.kernels import gla
 from ling2.kernels.gla.reference import naive_recurrence
-from ling2.layers import moe_experts
+from ling2.layers.moe import experts as moe_experts
 
 N = 10
 LENGTHS = (5, 37, 1)  # a prompt past the 32-token bucket, a one-token prompt

@@ -17,7 +17,7 @@ from flax import nnx
 from ling2.infer import generation
 from ling2.infer.generation import Generator, Sampling
 from ling2.infer.testing.models import micro, oracle_drafts, prompts
-from ling2.layers.decode import DecodeOptions
+from ling2.layers.attention.decode import DecodeOptions
 
 N = 9
 LENGTHS = (6, 2, 33)

@@ -2,8 +2,8 @@
 
 Each layer is pre-norm: x += attn(norm(x)); x += mlp(norm(x)), its attention and MLP kinds
 and its place in the state given by the layer plan (`ling2.layers.plan`). Attention
-modules are looked up by kind in `ling2.layers.attention.ATTENTION`. Calling the decoder is the training forward;
-`init_cache` / `decode` / `accept` / `unpack` are cached decoding (`ling2.layers.decode`).
+modules are looked up by kind in `ling2.layers.attention.registry.ATTENTION`. Calling the decoder is the training forward;
+`init_cache` / `decode` / `accept` / `unpack` are cached decoding (`ling2.layers.attention.decode`).
 
 The layers sit in a `LayerStack` (`ling2.layers.stack`): with `scan_layers`, the plan's scanned
 groups keep their parameters stacked on a leading "layers" axis and run under one `lax.scan`,
@@ -20,18 +20,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling2.config.specs import EmbedSpec, MoESpec, WeightsSpec
-from ling2.layers import decode as decode_lib
+from ling2.layers.attention import decode as decode_lib
 from ling2.layers import losses, norms
-from ling2.layers.attention import ATTENTION
+from ling2.layers.attention.registry import ATTENTION
 from ling2.layers.embed import Embed, LMHead
-from ling2.layers.moe import MoE
-from ling2.layers.moe_experts import Mlp
+from ling2.layers.moe.layer import MoE
+from ling2.layers.moe.experts import Mlp
 from ling2.layers.plan import LayerSpec, layer_plan
 from ling2.layers.sharding import constrain, dim_shards
 from ling2.layers.stack import LayerStack
 
 ACT = ("activation_batch", "activation_length", "activation_embed")
-MODES = ("prefill", "step")  # cached decoding (ling2.layers.decode)
+MODES = ("prefill", "step")  # cached decoding (ling2.layers.attention.decode)
 
 
 class DecoderOutput(NamedTuple):
@@ -94,7 +94,7 @@ class DecoderLayer(nnx.Module):
         return self.attention.init_cache(batch, max_len)
 
     def decode(self, mode: str, x_BTE, positions_BT, segment_ids_BT, valid_BT, cache, state, opts, *, layer_index):
-        """A cached call (`ling2.layers.decode`): mode "prefill" or "step" of the attention kind. Returns
+        """A cached call (`ling2.layers.attention.decode`): mode "prefill" or "step" of the attention kind. Returns
         (x [B,T,E], MoEAux or None, the attention's new cache)."""
         if mode not in MODES:
             raise ValueError(f"decode mode {mode!r}: expected one of {MODES}")
@@ -151,7 +151,7 @@ class Ling2Decoder(LayerStack):
         return remat(f, self.remat_policy)(state, x, layer_index)
 
     def init_cache(self, batch: int, max_len: int) -> decode_lib.DecoderCache:
-        """An empty decode cache of `max_len` slots per row (`ling2.layers.decode`), with every layer's own."""
+        """An empty decode cache of `max_len` slots per row (`ling2.layers.attention.decode`), with every layer's own."""
         layers = {i: layer.init_cache(batch, max_len) for i, layer in self.unstacked()}
         return decode_lib.empty(batch, max_len, layers)
 

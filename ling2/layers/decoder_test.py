@@ -148,7 +148,7 @@ def test_one_call_path_gives_every_layer_its_index(both):
 def test_scanned_gla_layers_decay_by_their_own_index():
     """GLA's decays follow the layer index it is given, traced or not: -slopes of the reference formula
     base_h * (1 - (i - 1) / (L - 1) + 1e-5) (hand-written here; `attention_gla_test` checks the base slopes)."""
-    from ling2.layers.attention_gla import GatedLinearAttention, alibi_base_slopes
+    from ling2.layers.attention.gla import GatedLinearAttention, alibi_base_slopes
 
     cfg = small()
     layer = GatedLinearAttention(GLASpec.of(cfg), rngs=nnx.Rngs(0))

@@ -1,4 +1,4 @@
-"""FP8 GEMMs (ling2.layers.fp8) against an independent reference: numpy with ml_dtypes' float8 casts (the
+"""FP8 GEMMs (ling2.kernels.fp8) against an independent reference: numpy with ml_dtypes' float8 casts (the
 OCP e4m3fn / e5m2 rounding), tile by tile and block by block in plain loops, and the products and their
 gradients written out by hand (y = x w: dx = dy w^T, dw = x^T dy). Everything runs under jit, so a compiler
 that dropped the f8 round trip would fail here (XLA:GPU did, before the optimization barrier: run this file
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ling2.layers import fp8
+from ling2.kernels import fp8
 
 E4, E5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 

@@ -21,12 +21,12 @@ from flax import nnx
 
 from ling2.config import Config
 from ling2.config.specs import RouterSpec
-from ling2.layers import moe
-from ling2.layers.attention import ATTENTION
+from ling2.layers.moe import layer as moe
+from ling2.layers.attention.registry import ATTENTION
 from ling2.layers.decoder import DecoderOutput, Ling2Decoder
 from ling2.layers.embed import Embed
-from ling2.layers.moe import bias_update
-from ling2.layers.moe_router import RoutedBias
+from ling2.layers.moe.layer import bias_update
+from ling2.layers.moe.router import RoutedBias
 from ling2.layers.mtp import MTP, MTPOutput
 from ling2.layers.norms import GroupRMSNorm, RMSNorm
 from ling2.layers.plan import layer_plan

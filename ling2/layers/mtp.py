@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ling2.layers import decode as decode_lib
-from ling2.layers import fp8, losses, norms
+from ling2.layers.attention import decode as decode_lib
+from ling2.layers import losses, norms
+from ling2.kernels import fp8
 from ling2.layers.decoder import DecoderLayer, DecoderOutput, LayerSpecs, remat
 from ling2.layers.plan import LayerSpec, layer_plan
 
@@ -174,7 +175,7 @@ class MTP(nnx.Module):
         return MTPOutput(ce_sum=jnp.stack(sums), ce_count=jnp.stack(counts), correct=jnp.stack(corrects),
                          moe_aux=moe_aux, logits=tuple(all_logits) if return_logits else None)
 
-    # ---- cached decoding (speculative drafts; ling2.layers.decode) ----
+    # ---- cached decoding (speculative drafts; ling2.layers.attention.decode) ----
 
     def init_cache(self, k: int, batch: int, max_len: int) -> decode_lib.DecoderCache:
         """Depth k's (1-based) empty cache; its `layers` is the depth's one layer cache."""

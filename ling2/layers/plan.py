@@ -12,7 +12,7 @@ MTP depth d is layer L + d at ("mtp", "depths", d, "layer"), always MLA + MoE.
 
 The decoder builds itself from this plan; the converter's HF mapping, the checkpoint
 relayout and the expert-bias bookkeeping iterate it. A new attention kind only needs a
-name in cfg.layer_types and a module registered in `ling2.layers.attention.ATTENTION`.
+name in cfg.layer_types and a module registered in `ling2.layers.attention.registry.ATTENTION`.
 """
 
 from typing import NamedTuple

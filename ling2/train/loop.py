@@ -24,7 +24,7 @@ from ling2.checkpoint.manager import verify as checkpoint_verify
 from ling2.checkpoint.safetensors_io import INDEX_NAME
 from ling2.checkpoint.state import STATE_NAME, CheckpointError
 from ling2.layers.model import count_params, training_flops_per_token
-from ling2.layers.moe_router import router_metrics
+from ling2.layers.moe.router import router_metrics
 from ling2.layers.sharding import use_mesh
 from ling2.train import step as step_lib
 from ling2.train.eval import Evaluator, merged_state

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ling2.checkpoint.state import load_into
 from ling2.layers.model import Ling2Model
-from ling2.layers.moe_router import RoutedBias
+from ling2.layers.moe.router import RoutedBias
 from ling2.layers.sharding import use_mesh
 from ling2.train.optim import make_optimizer
 from ling2.train.runtime import state_shardings

@@ -15,7 +15,7 @@ from flax import nnx
 
 from ling2.config import load_config
 from ling2.layers import losses
-from ling2.layers.moe_router import update_routed_bias
+from ling2.layers.moe.router import update_routed_bias
 from ling2.train import step as S
 from ling2.layers.model import Ling2Model
 from ling2.train.state import TrainState, trainable_filter

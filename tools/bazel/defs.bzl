@@ -21,7 +21,7 @@ _PLATFORMS = ("cpu", "tpu", "cuda", "ling3")
 def ling2_py_tests(deps, srcs = None, data = [], size = "medium", sizes = {}, devices = {}, tags = {},
                    platforms = {}, shards = {}, **kwargs):
     """One `ling2_py_test` per test file (default: every *_test.py of the package), named after it (a file in
-    a subfolder by its path with `_` for `/`: gla/op_test.py is `gla_op_test`).
+    a subfolder of the same Bazel package by its path with `_` for `/`: sub/x_test.py is `sub_x_test`).
 
     `sizes`, `devices`, `tags`, `platforms` and `shards` (Bazel's shard_count: each shard runs a
     contiguous slice of the file's tests) map a test name to its own value; `size` is everyone
@@ -31,7 +31,7 @@ def ling2_py_tests(deps, srcs = None, data = [], size = "medium", sizes = {}, de
         name = src[:-len(".py")].replace("/", "_")
         platform = platforms.get(name, "cpu")
         for p in _PLATFORMS:
-            if name.endswith("_%s_compile_test" % p):
+            if name == "%s_compile_test" % p or name.endswith("_%s_compile_test" % p):
                 platform = p
         ling2_py_test(name = name, srcs = [src], deps = deps, data = data, size = sizes.get(name, size),
                       devices = devices.get(name, 0), tags = tags.get(name, []), platform = platform,

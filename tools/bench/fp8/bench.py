@@ -1,7 +1,7 @@
 """FP8 numerics experiment: the same run (bundled data, one seed, one data order) with bf16 matmuls and with
 quantization=fp8 (per-tensor and block scaling), for ling2-tiny and ling3-tiny; train-loss curves and the
 eval loss side by side. On a CPU (no FP8 units) fp8 is the emulation with the kernels' rounding
-(ling2.layers.fp8), so this measures numerics, not speed.
+(ling2.kernels.fp8), so this measures numerics, not speed.
 
   bazel run //tools/bench/fp8:bench -- [--models ling2-tiny,ling3-tiny] [--modes bf16,fp8,fp8-block]
                                        [--steps 300] [--out FILE]

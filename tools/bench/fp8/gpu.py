@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ling2.layers import fp8
+from ling2.kernels import fp8
 from tools.bench.report import host_facts, time_round_robin
 
 

@@ -46,7 +46,7 @@ TEST_PID=""
 phase_test() {  # beside the warm compiles: the device tests take little of the GPU
   stamp "phase test"
   ( new timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider \
-      ${TESTS:-ling2/kernels/gmm/gpu_device_test.py ling2/kernels/gpu_device_test.py ling2/layers/attention_mla_gpu_device_test.py} \
+      ${TESTS:-ling2/kernels/moe/gpu_device_test.py ling2/kernels/gpu_device_test.py ling2/kernels/attention/cudnn_gpu_device_test.py} \
       > $R/device_test.txt 2>&1
     echo "pytest exit $?" >> $R/device_test.txt ) & TEST_PID=$!
 }

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ling2.layers import moe
-from ling2.layers.attention import ATTENTION
+from ling2.layers.moe import layer as moe
+from ling2.layers.attention.registry import ATTENTION
 from ling2.layers.plan import LayerSpec, layer_plan
 from tools.bench.report import host_facts, matmul_rate, planned_bytes, results_path, time_round_robin
 

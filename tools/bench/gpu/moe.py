@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ling2.layers import moe_gmm
+from ling2.kernels.moe import gmm as moe_gmm
 from tools.bench.report import host_facts, matmul_rate, queued_seconds
 
 
@@ -66,9 +66,9 @@ def _fn(backend):
 
 
 def _with_tiles(variant: str, f):
-    """f with ling2.kernels.gmm.pallas_gpu's tiles, warps and stages set from `variant` while it traces:
+    """f with ling2.kernels.moe.pallas_gpu's tiles, warps and stages set from `variant` while it traces:
     "tm.tp.tq.warps.stages/tm.tq.tp.warps.stages" (gmm / tgmm)."""
-    from ling2.kernels.gmm import pallas_gpu as k
+    from ling2.kernels.moe import pallas_gpu as k
 
     (g, t) = ([int(v) for v in part.split(".")] for part in variant.split("/"))
 

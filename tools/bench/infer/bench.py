@@ -32,7 +32,7 @@ from ling2.config import load_config
 from ling2.config.paths import user_path
 from ling2.infer import generation
 from ling2.infer.load import INFER_OVERRIDES, find_file, load_model
-from ling2.layers.decode import DecodeOptions, DecoderCache
+from ling2.layers.attention.decode import DecodeOptions, DecoderCache
 from ling2.layers.model import Ling2Model
 from ling2.layers.plan import layer_plan
 

@@ -24,8 +24,8 @@ import numpy as np
 from flax import nnx
 
 from ling2.config import load_config
-from ling2.layers.moe import MoE
-from ling2.layers.moe_experts import Mlp
+from ling2.layers.moe.layer import MoE
+from ling2.layers.moe.experts import Mlp
 from ling2.config.specs import MoESpec, WeightsSpec
 from tools.bench.report import host_facts, planned_bytes, results_path, time_round_robin
 
@@ -73,7 +73,7 @@ def tpu_compile(out: str):
     expert-parallel shape (8 x 32,768 rows received, D 2048, F 512) with 32 local experts (expert
     axis 8) and with 8: XLA's FLOPs against the grouped count, temporaries, code, compile time."""
     from ling2 import topology
-    from ling2.layers import moe_gmm
+    from ling2.kernels.moe import gmm as moe_gmm
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     mesh = Mesh(np.array(topology.devices("v5p-8")[:1]), ("d",))

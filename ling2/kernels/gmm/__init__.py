@@ -1,1 +1,0 @@
-"""Grouped matmul over rows sorted by group (the dropless MoE's expert products)."""

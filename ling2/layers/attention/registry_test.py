@@ -1,0 +1,34 @@
+"""The attention registry: every kind a config can name has its spec, module, FLOP count, cache type and HF
+mapping, and they agree with each other (the module builds from its spec alone, the cache type is what the
+module's init_cache returns; the HF mapping names every weight of the module)."""
+
+import typing
+
+import pytest
+from flax import nnx
+
+from ling2.config import load_config
+from ling2.config.enums import LayerType
+from ling2.config.specs import Spec
+from ling2.layers.attention.registry import ATTENTION
+
+MODELS = {"mla": "ling2-tiny", "gla": "ling2-tiny", "kda": "ling3-tiny"}
+
+
+def test_every_layer_type_is_registered():
+    assert set(typing.get_args(LayerType)) == set(ATTENTION)
+
+
+@pytest.mark.parametrize("kind", sorted(ATTENTION))
+@pytest.mark.parametrize("layout", ["bailing", "deepseek_v3"])
+def test_kind_entry_is_complete_and_consistent(kind, layout):
+    cfg = load_config(model_name=MODELS[kind])
+    entry = ATTENTION[kind]
+    spec = entry.spec.of(cfg)
+    assert isinstance(spec, Spec) and hash(spec) == hash(entry.spec.of(cfg))  # frozen, a static module field
+    module = nnx.eval_shape(lambda: entry.module(spec, rngs=nnx.Rngs(0)))
+    assert isinstance(nnx.eval_shape(lambda: module.init_cache(2, 8)), entry.cache)
+    assert entry.matmul_params(cfg) > 0 and entry.mixing_flops(cfg, 64) > 0
+    weights = {("attention",) + tuple(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+    mapped = {tuple(map(str, sub)) for _, sub, *_ in entry.hf_params(layout)}
+    assert weights and weights <= mapped, sorted(weights - mapped)

@@ -1,0 +1,156 @@
+"""Ling2 MoE block: y = sum_k w_k * expert_k(x) + shared_expert(x), plus losses and router stats.
+
+Routing (ling2.layers.moe.router): fp32 gate, sigmoid or softmax scores, a selection-only
+expert bias, group-limited top-k, weights from the unbiased scores.
+Experts (ling2.layers.moe.experts): dropless sort + grouped matmul (`sparse_matmul`; with at
+most E assignments, as in decoding, each token's experts' weights gathered instead), or the
+dense one-hot path with `capacity_factor`. Under a mesh whose `expert` axis is > 1
+(`jax.set_mesh`, e.g. ling2.layers.sharding.use_mesh) the dropless path runs expert
+parallel (ling2.layers.moe.ep). `dispatch_path` is the one place that decides which.
+
+Everything the trainer needs comes back in `MoEAux`; nothing is sown or kept globally.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from ling2.config.specs import MoESpec, RouterSpec
+from ling2.kernels import fp8
+from ling2.layers.moe import ep as moe_ep
+from ling2.layers.moe import experts as moe_experts
+from ling2.kernels.moe import gmm as moe_gmm
+from ling2.layers.moe import router as moe_router
+from ling2.layers.moe.experts import Mlp
+from ling2.layers.moe.router import router_metrics, update_routed_bias
+
+F32 = jnp.float32
+
+
+@struct.dataclass
+class MoEAux:
+    """What one MoE call returns besides its output.
+
+    lb_loss, z_loss: already weighted (0 when their weight is 0); add both to the loss.
+    counts: assignments per expert [E] (int32) for loss-free balancing.
+    stats: additive router statistics. Combine every entry (and `counts`) by SUM over
+      micro-batches, then call `metrics()` / `router_metrics` once.
+    """
+
+    lb_loss: jax.Array
+    z_loss: jax.Array
+    counts: jax.Array
+    stats: dict
+
+    @property
+    def loss(self):
+        return self.lb_loss + self.z_loss
+
+    def metrics(self, k: int) -> dict:
+        return router_metrics(self.counts, self.stats, k)
+
+
+def bias_update(bias_E, counts_E, spec: RouterSpec):
+    """The once-per-optimizer-step expert bias update, with the configured rate and recentring."""
+    return update_routed_bias(bias_E, counts_E, spec.routed_bias_update_rate, spec.routed_bias_zero_mean_update)
+
+
+def matmul_params(cfg, active: bool = True) -> int:
+    """Router plus SwiGLU expert weights a token is multiplied by (`active`: its top-k routed experts;
+    else all of them) plus the shared experts."""
+    E, N, F = cfg.base_emb_dim, cfg.num_experts, cfg.base_moe_mlp_dim
+    experts = cfg.num_experts_per_tok if active else N
+    return E * N + experts * 3 * E * F + 3 * E * cfg.shared_experts * cfg.shared_expert_dim
+
+
+PATHS = ("dense_capacity", "expert_parallel", "gathered", "per_device", "partitioned")
+
+
+def dispatch_path(*, sparse_matmul: bool, gmm: str, mesh_shape: dict, tokens: int, k: int, num_experts: int) -> str:
+    """Where the routed experts run, from the config, the mesh's axis sizes ({} without a mesh) and the call's
+    sizes (one of PATHS):
+      dense_capacity: sparse_matmul off: the one-hot dispatch with capacity_factor (drops over capacity);
+      expert_parallel: an `expert` mesh axis > 1: experts sharded over it, rows moved by all-to-all (moe_ep);
+      gathered: decode-sized (tokens * k <= experts): each token's chosen experts' weights gathered;
+      per_device: several devices and no tensor axis: the grouped matmul per device in shard_map (as a
+        Pallas kernel must run: XLA cannot partition one);
+      partitioned: one device, or tensor-parallel experts: the grouped matmul partitioned by XLA, so
+        moe_gmm_backend=megablox is refused there."""
+    devices = 1
+    for size in mesh_shape.values():
+        devices *= size
+    if not sparse_matmul:
+        return "dense_capacity"
+    if mesh_shape.get("expert", 1) > 1:
+        return "expert_parallel"
+    if tokens * k <= num_experts:
+        return "gathered"
+    if devices > 1 and mesh_shape.get("tensor", 1) == 1:
+        return "per_device"
+    if devices > 1 and gmm == "megablox":
+        raise ValueError("moe_gmm_backend=megablox: a tensor-parallel mesh without expert parallelism partitions "
+                         "the experts by XLA, which cannot partition a Pallas kernel; use auto, ragged_dot, or "
+                         "ici_expert_parallelism > 1")
+    return "partitioned"
+
+
+class MoE(nnx.Module):
+    """Routed + shared SwiGLU experts. x_BSD -> (y_BSD, MoEAux).
+
+    `gmm` picks the dropless grouped matmul: "ragged_dot", "tiled" (fast on CPU), "megablox", or
+    "auto"/None (moe_gmm_backend; "auto": chosen for the platform lowered for).
+    """
+
+    def __init__(self, spec: MoESpec, *, rngs: nnx.Rngs, gmm: str | None = None):
+        self.spec = spec
+        self.gmm = gmm or spec.moe_gmm_backend
+        if self.gmm not in moe_gmm.GMMS:
+            raise ValueError(f"gmm: unknown grouped matmul {self.gmm!r} (one of {moe_gmm.GMMS})")
+        self.gate = moe_router.Router(spec, rngs=rngs)
+        self.experts = moe_experts.RoutedExperts(spec, rngs=rngs)
+        width = spec.shared_experts * spec.shared_expert_dim
+        self.shared_experts = nnx.data(Mlp(spec, width, rngs=rngs) if width else None)
+
+    def __call__(self, x_BSD, valid_BS=None):
+        spec = self.spec
+        B, S, D = x_BSD.shape
+        T, K, E = B * S, spec.num_experts_per_tok, spec.num_experts
+        dtype = jnp.dtype(spec.dtype)
+        x_BSD = x_BSD.astype(dtype)
+        valid_T = None if valid_BS is None else valid_BS.reshape(T).astype(bool)
+
+        r = self.gate(x_BSD.reshape(T, D))
+        counts_E = moe_router.expert_counts(r.experts_TK, E, valid_T)
+        stats = moe_router.router_stat_sums(r, valid_T)
+        stats["dropped"] = jnp.zeros((), F32)
+        n_tok = jnp.maximum(stats["tokens"], 1)
+        z_loss = lb_loss = jnp.zeros((), F32)
+        if spec.moe_z_loss_weight > 0:
+            stats["lse_sq_sum"] = moe_router.z_loss_sum(r.logits_TE, valid_T)
+            z_loss = spec.moe_z_loss_weight * stats["lse_sq_sum"] / n_tok
+        if spec.load_balance_loss_weight > 0:
+            lb_loss = spec.load_balance_loss_weight * moe_router.load_balance_loss(r.scores_TE, counts_E, valid_T)
+
+        w = self.experts.weights(dtype)
+        gmm, q = self.gmm, fp8.of(spec)
+        experts_BSK, weights_BSK = r.experts_TK.reshape(B, S, K), r.weights_TK.reshape(B, S, K)
+        mesh = jax.sharding.get_abstract_mesh()
+        mesh_shape = {} if mesh.empty else dict(mesh.shape)
+        path = dispatch_path(sparse_matmul=spec.sparse_matmul, gmm=gmm, mesh_shape=mesh_shape, tokens=T, k=K,
+                             num_experts=E)
+        if path == "dense_capacity":
+            y_BSD, kept_BSK = moe_experts.dense_capacity(x_BSD, experts_BSK, weights_BSK, w, spec.capacity_factor, q)
+            dropped_BSK = ~kept_BSK if valid_BS is None else ~kept_BSK & valid_BS.astype(bool)[..., None]
+            stats["dropped"] = dropped_BSK.astype(F32).sum()
+        elif path in ("expert_parallel", "per_device"):
+            y_BSD = moe_ep.dropless_ep(x_BSD, experts_BSK, weights_BSK, w, mesh=mesh, rules=spec.logical_axis_rules,
+                                       gmm=gmm, q=q, a2a=spec.moe_ep_all_to_all,
+                                       capacity_factor=spec.moe_ep_capacity_factor)
+        elif path == "gathered":
+            y_BSD = moe_experts.gathered(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w).reshape(B, S, D)
+        else:
+            y_BSD = moe_experts.dropless(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w, gmm,
+                                         partitioned=bool(mesh_shape) and mesh.size > 1, q=q).reshape(B, S, D)
+        if self.shared_experts is not None:
+            y_BSD = y_BSD + self.shared_experts(x_BSD)
+        return y_BSD, MoEAux(lb_loss=lb_loss, z_loss=z_loss, counts=counts_E, stats=stats)
