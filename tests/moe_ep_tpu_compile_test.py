@@ -4,6 +4,8 @@ backward; the ragged exchange moves 1/n of the padded one's bytes (read from the
 `ling2.train.hlo_traffic`); a receive bound shrinks the temporaries. CPU equality of the ragged path's values
 and gradients: ling2/layers/moe/ep_test.py and ling2/train/context_parallel_test.py (emulated exchange)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +20,9 @@ D, F = 512, 256
 def compiled_ep(a2a: str, capacity: float = 0.0):
     """The gradient of the expert-parallel MoE body over 4 v5p chips (expert axis 4), compiled for TPU."""
     from ling2.config import load_config
+    from ling2.config.specs import MoESpec
     from ling2.layers.moe import ep as moe_ep
+    from ling2.layers.moe import plan as moe_plan
 
     cfg = load_config(model_name="ling2-tiny", base_emb_dim=512, base_moe_mlp_dim=256, num_experts=16)
     devs = np.asarray(topology.devices("v5p-8")).reshape(1, 1, 4, 1, 1)
@@ -30,8 +34,10 @@ def compiled_ep(a2a: str, capacity: float = 0.0):
             s((E, D, F), jnp.bfloat16, rows), s((E, D, F), jnp.bfloat16, rows), s((E, F, D), jnp.bfloat16, rows))
 
     def loss(x, e, g, wg, wu, wd):
-        y = moe_ep.dropless_ep(x, e, g, (wg, wu, wd), mesh=mesh, rules=cfg.logical_axis_rules, gmm="auto",
-                               a2a=a2a, capacity_factor=capacity)
+        plans = moe_plan.plans(dataclasses.replace(MoESpec.of(cfg), moe_ep_all_to_all=a2a), dict(mesh.shape),
+                               tokens=B * S, model_dim=D)
+        y = moe_ep.dropless_ep(x, e, g, (wg, wu, wd), mesh=mesh, rules=cfg.logical_axis_rules, plans=plans,
+                               capacity_factor=capacity)
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     return jax.jit(jax.grad(loss, argnums=(0, 3, 4, 5))).lower(*args).compile()

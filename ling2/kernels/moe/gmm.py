@@ -18,14 +18,9 @@ dim, F expert width.
   dense over the local experts in its cost analysis (11x the grouped FLOPs at 32 experts), and
   model_name=ling2's train step compiles several times slower with them (tools/bench/moe and
   tools/bench/compile NOTES). Interpreted on CPU.
-  "auto": tiled on CPU, megablox on TPU (ragged_dot where the model dim and expert width share
-  no multiple of 128, as in test models, or where XLA partitions the call), pallas_gpu on CUDA GPUs
-  (blocked where XLA partitions the call),
-  ragged_dot elsewhere, decided for the platform the computation is lowered for (`jax.lax.platform_dependent`),
-  not the host's: a CPU host compiling for TPU builds what a TPU host would.
-With quantization=fp8 (`q`, ling2.kernels.fp8) every grouped matmul is an FP8 product: "blocked" (its batched
-matmuls quantized per step) on CPU and CUDA GPUs, ragged_dot elsewhere; "tiled" and "megablox" keep their
-fused bf16/fp32 kernels and so give way to those two.
+  "auto" (moe_gmm_backend) is resolved per platform by the MoE layer's plan (`ling2.layers.moe.plan`).
+With quantization=fp8 (`q`, ling2.kernels.fp8) a grouped matmul is an FP8 product through "blocked" (its
+batched matmuls quantized per step) or ragged_dot; the fused kernels keep bf16/fp32.
 """
 
 import math
@@ -40,7 +35,8 @@ from ling2.kernels import fp8
 F32 = jnp.float32
 
 
-GMMS = ("auto", "ragged_dot", "tiled", "blocked", "pallas_gpu", "megablox")
+BACKENDS = ("ragged_dot", "tiled", "blocked", "pallas_gpu", "megablox")
+GMMS = ("auto", *BACKENDS)  # moe_gmm_backend: "auto" is resolved by the MoE layer's plan (ling2.layers.moe.plan)
 
 
 def ffn_ragged_dot(x_MD, group_sizes_E, wg, wu, wd, q: fp8.Fp8 | None = None):
@@ -243,38 +239,31 @@ def ffn_megablox(x_MD, group_sizes_E, wg, wu, wd, *, interpret: bool = False):
     return mm(jax.nn.silu(g) * u, wd.astype(x_MD.dtype))[:M]
 
 
-def grouped_ffn(x_MD, group_sizes_E, w, gmm: str = "auto", *, partitioned: bool = False, q: fp8.Fp8 | None = None):
-    """Grouped SwiGLU of rows sorted by expert with weights w = (wg, wu, wd) by backend `gmm` (GMMS).
-    `partitioned`: XLA partitions this call (moe.dispatch_path's "partitioned"), so "auto" takes no Pallas
-    kernel. `q`: FP8 GEMMs (the module doc)."""
-    if gmm not in GMMS:
-        raise ValueError(f"gmm: unknown grouped matmul {gmm!r} (one of {GMMS})")
+def grouped_ffn(x_MD, group_sizes_E, w, gemm: str, *, q: fp8.Fp8 | None = None, interpret: bool | None = None):
+    """Grouped SwiGLU of rows sorted by expert with weights w = (wg, wu, wd) by backend `gemm` (BACKENDS; the
+    MoE layer's plan picks it for each platform, `ling2.layers.moe.plan`). `q`: FP8 GEMMs (the module doc),
+    through ragged_dot or blocked. `interpret` (Pallas backends): None runs the kernel in interpret mode off
+    its platform, decided for the platform lowered for."""
+    if gemm not in BACKENDS:
+        raise ValueError(f"gmm: unknown grouped matmul backend {gemm!r} (one of {BACKENDS})")
     if q is not None:
-        blocked, ragged = partial(ffn_blocked, q=q), partial(ffn_ragged_dot, q=q)
-        if gmm == "ragged_dot":
-            return ragged(x_MD, group_sizes_E, *w)
-        if gmm in ("blocked", "tiled"):
-            return blocked(x_MD, group_sizes_E, *w)
-        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=blocked, cuda=blocked, default=ragged)
-    if gmm == "auto":
-        mosaic = not partitioned and megablox_tile(x_MD.shape[1], w[2].shape[1])
-        tpu = ffn_megablox if mosaic else ffn_ragged_dot
-        cuda = ffn_blocked if partitioned else ffn_pallas_gpu
-        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=ffn_tiled, tpu=tpu, cuda=cuda,
-                                          default=ffn_ragged_dot)
-    if gmm == "ragged_dot":
+        if gemm not in ("ragged_dot", "blocked"):
+            raise ValueError(f"gmm: FP8 grouped matmuls run through ragged_dot or blocked, not {gemm!r}")
+        return (ffn_ragged_dot if gemm == "ragged_dot" else ffn_blocked)(x_MD, group_sizes_E, *w, q=q)
+    if gemm == "ragged_dot":
         return ffn_ragged_dot(x_MD, group_sizes_E, *w)
-    if gmm == "tiled":
+    if gemm == "tiled":
         return ffn_tiled(x_MD, group_sizes_E, *w)
-    if gmm == "blocked":
+    if gemm == "blocked":
         return ffn_blocked(x_MD, group_sizes_E, *w)
-    if gmm == "pallas_gpu":
-        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=partial(ffn_pallas_gpu, interpret=True),
-                                          default=ffn_pallas_gpu)
-    if gmm == "megablox":
-        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, tpu=ffn_megablox,
-                                          default=partial(ffn_megablox, interpret=True))
-    raise ValueError(f"gmm: unknown grouped matmul {gmm!r} (one of {GMMS})")
+    kernel, home = (ffn_pallas_gpu, "cuda") if gemm == "pallas_gpu" else (ffn_megablox, "tpu")
+    if interpret is not None:
+        return kernel(x_MD, group_sizes_E, *w, interpret=interpret)
+    if gemm == "pallas_gpu":
+        return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, cpu=partial(kernel, interpret=True),
+                                          default=kernel)
+    return jax.lax.platform_dependent(x_MD, group_sizes_E, *w, **{home: kernel},
+                                      default=partial(kernel, interpret=True))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -1,6 +1,6 @@
 """The dropless MoE's grouped matmul through the real XLA:TPU + Mosaic compiler (tpu venv; any
-host). gmm="auto" compiled for a v5p must be megablox's Pallas kernels (our Mosaic calls, no
-ragged dot), whose cost XLA counts as the grouped matmul's; XLA counts its own ragged_dot
+host). megablox, what moe_gmm_backend=auto runs on TPU (`ling2.layers.moe.plan`), compiled for a v5p is
+Pallas kernels (our Mosaic calls, no ragged dot), whose cost XLA counts as the grouped matmul's; XLA counts its own ragged_dot
 kernels dense over the local experts (growing with their number at a fixed row count), which is
 why the plan's FLOPs use megablox. Reference: the grouped count 3 x 2·M·D·3F (fwd + bwd)."""
 
@@ -30,8 +30,8 @@ def compiled(gmm: str, E: int):
     return c.as_text(), (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
 
 
-def test_auto_is_megablox_on_tpu_and_costs_the_grouped_flops():
-    text, flops_auto = compiled("auto", 32)
+def test_megablox_on_tpu_costs_the_grouped_flops():
+    text, flops_auto = compiled("megablox", 32)
     # forward: gate-up and down; backward: a gmm and a tgmm for each
     assert text.count('custom_call_target="tpu_custom_call"') == 6
     assert " ragged-dot(" not in text

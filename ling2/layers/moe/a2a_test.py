@@ -8,6 +8,8 @@ Reference: numpy's reading of ragged_all_to_all's contract (each sender's run fo
 offset the sender names, into j's zeroed buffer) for the exchange and its transpose. The MoE layer with the
 ragged exchange is checked against one device in moe_ep_test.py."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from ling2.kernels.moe import a2a as moe_a2a
+from ling2.config import load_config
+from ling2.config.specs import MoESpec
 from ling2.layers.moe import ep as moe_ep
+from ling2.layers.moe import plan as moe_plan
 
 N, ROWS, OUT, D = 4, 12, 30, 3
 
@@ -134,4 +139,5 @@ def test_recv_rows():
     assert moe_ep.recv_rows(1000, 8, 1.25) == 1256  # a multiple of 8
     assert moe_ep.recv_rows(1000, 2, 4.0) == 2000  # never more than every row
     with pytest.raises(ValueError, match="moe_ep_all_to_all"):
-        moe_ep.exchange_kind("fast", 4)
+        spec = dataclasses.replace(MoESpec.of(load_config(model_name="ling2-tiny")), moe_ep_all_to_all="fast")
+        moe_plan.moe_plan(spec, {"data": 2, "expert": 4}, "cpu", tokens=4096, model_dim=128)

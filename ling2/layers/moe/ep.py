@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 from ling2.kernels.moe import a2a as moe_a2a
 from ling2.layers.moe import experts as X
 from ling2.layers import sharding
-from ling2.kernels.moe.gmm import gather_rows, grouped_ffn
+from ling2.kernels.moe.gmm import gather_rows
+from ling2.layers.moe import plan as moe_plan
 
 
 def expert_axis_size(mesh) -> int:
@@ -49,7 +50,7 @@ def batch_axes(mesh, rules, batch: int) -> tuple[str, ...]:
     return tuple(axes)
 
 
-def _local(x_TD, experts_TK, weights_TK, w, *, n: int, gmm: str, q=None):
+def _local(x_TD, experts_TK, weights_TK, w, *, n: int, ffn):
     """Per-device body. w are this shard's experts [E/n, ...]."""
     T, K = experts_TK.shape
     M, e_loc = T * K, w[0].shape[0]
@@ -72,7 +73,7 @@ def _local(x_TD, experts_TK, weights_TK, w, *, n: int, gmm: str, q=None):
     lorder = jnp.argsort(rids, stable=True)
     linv = X.invert(lorder)
     lgs = jnp.bincount(rids, length=e_loc + 1)[:e_loc].astype(jnp.int32)
-    y_sorted = grouped_ffn(gather_rows(recv_nMD.reshape(n * M, -1), lorder, linv, 1), lgs, w, gmm, q=q)
+    y_sorted = ffn(gather_rows(recv_nMD.reshape(n * M, -1), lorder, linv, 1), lgs, w)
     y_nMD = gather_rows(y_sorted, linv, lorder, 1).reshape(n, M, -1)
 
     back_nMD = jax.lax.all_to_all(y_nMD, "expert", 0, 0, tiled=False)
@@ -91,7 +92,7 @@ def recv_rows(M: int, n: int, capacity_factor: float) -> int:
     return min(n * M, -(-math.ceil(capacity_factor * M) // 8) * 8)
 
 
-def _local_ragged(x_TD, experts_TK, weights_TK, w, *, n: int, gmm: str, q=None, capacity_factor: float,
+def _local_ragged(x_TD, experts_TK, weights_TK, w, *, n: int, ffn, capacity_factor: float,
                   emulated: bool):
     """Per-device body with the ragged exchange (`_local`'s contract) into receive buffers of R rows
     (`recv_rows`). With R < n*M a receiver may be sent more than R rows: the exchange then runs in rounds
@@ -102,13 +103,13 @@ def _local_ragged(x_TD, experts_TK, weights_TK, w, *, n: int, gmm: str, q=None, 
     order_M, inv_M, gs_E = X.sort_by_expert(experts_TK, e_loc * n)
     x_MD = gather_rows(x_TD, order_M // K, inv_M, K)
     sent = jax.lax.all_gather(gs_E.reshape(n, e_loc), "expert")  # [sender, receiver, receiver's expert]: rows
-    one = partial(_round, R=R, gmm=gmm, q=q, emulated=emulated)
+    one = partial(_round, R=R, ffn=ffn, emulated=emulated)
     y_MD = one(x_MD, w, sent, 0) if R >= n * M else _in_rounds(x_MD, w, sent, one, R)
     y_TKD = gather_rows(y_MD, inv_M, order_M, 1).reshape(T, K, -1)
     return X.combine(y_TKD, weights_TK, x_TD.dtype)
 
 
-def _round(x_MD, w, sent, r, *, R: int, gmm: str, q, emulated: bool):
+def _round(x_MD, w, sent, r, *, R: int, ffn, emulated: bool):
     """Round r of the exchange: the rows that land in [r*R, (r+1)*R) of each receiver's full buffer go out,
     through the receiver's experts and back. [M, D], zero on the rows of other rounds."""
     e_loc = sent.shape[2]
@@ -124,7 +125,7 @@ def _round(x_MD, w, sent, r, *, R: int, gmm: str, q, emulated: bool):
     lorder = jnp.argsort(e_R, stable=True)
     linv = X.invert(lorder)
     gs = jnp.bincount(e_R, length=e_loc + 1)[:e_loc].astype(jnp.int32)
-    y_sorted = grouped_ffn(gather_rows(recv_RD, lorder, linv, 1), gs, w, gmm, q=q)
+    y_sorted = ffn(gather_rows(recv_RD, lorder, linv, 1), gs, w)
     return moe_a2a.exchange(gather_rows(y_sorted, linv, lorder, 1), x_MD.shape[0], combine, dispatch, "expert",
                             emulated)
 
@@ -155,17 +156,9 @@ def _in_rounds(x_MD, w, sent, one, R: int):
     return rows(x_MD, tuple(w), sent)
 
 
-def exchange_kind(a2a: str, n: int) -> str:
-    """The exchange `moe_ep_all_to_all` names for an expert axis of n: "padded", "ragged", "emulated" or
-    "auto" (decided for the platform lowered for)."""
-    if a2a not in ("auto", "ragged", "padded", "emulated"):
-        raise ValueError(f"moe_ep_all_to_all: unknown exchange {a2a!r} (auto, ragged, padded or emulated)")
-    return "padded" if n == 1 else a2a
-
-
-def dropless_ep(x_BSD, experts_BSK, weights_BSK, w, *, mesh, rules, gmm: str, q=None, a2a: str = "padded",
-                capacity_factor: float = 0.0):
-    """Routed output [B, S, D]; equals `moe_experts.dropless` on one device (same sums per token). `q`: FP8
+def dropless_ep(x_BSD, experts_BSK, weights_BSK, w, *, mesh, rules, plans: dict, q=None, capacity_factor: float = 0.0):
+    """Routed output [B, S, D]; equals `moe_experts.dropless` on one device (same sums per token). `plans`:
+    the MoE plan per platform (`ling2.layers.moe.plan.plans`: the exchange and the grouped matmul); `q`: FP8
     GEMMs (ling2.kernels.fp8)."""
     n = expert_axis_size(mesh)
     E = w[0].shape[0]
@@ -176,18 +169,15 @@ def dropless_ep(x_BSD, experts_BSK, weights_BSK, w, *, mesh, rules, gmm: str, q=
         raise ValueError(f"expert parallelism needs the batch ({x_BSD.shape[0]}) sharded over 'expert' by the "
                          f"activation_batch rule; it shards over {axes}")
 
-    kind = exchange_kind(a2a, n)
-    local = {"padded": partial(_local, n=n, gmm=gmm, q=q),
-             "ragged": partial(_local_ragged, n=n, gmm=gmm, q=q, capacity_factor=capacity_factor, emulated=False),
-             "emulated": partial(_local_ragged, n=n, gmm=gmm, q=q, capacity_factor=capacity_factor, emulated=True)}
+    ffn = partial(moe_plan.grouped_ffn, plans, q=q)
+    local = {"padded": partial(_local, n=n, ffn=ffn),
+             "ragged": partial(_local_ragged, n=n, ffn=ffn, capacity_factor=capacity_factor, emulated=False),
+             "emulated": partial(_local_ragged, n=n, ffn=ffn, capacity_factor=capacity_factor, emulated=True)}
 
     def body(x, e, g, wg, wu, wd):
         b, s, _ = x.shape
         args = (x.reshape(b * s, -1), e.reshape(b * s, -1), g.reshape(b * s, -1), (wg, wu, wd))
-        if kind == "auto":
-            y = jax.lax.platform_dependent(*args, cpu=local["padded"], default=local["ragged"])
-        else:
-            y = local[kind](*args)
+        y = moe_plan.per_platform(plans, lambda plan: local[plan.exchange], *args, fields=("exchange",))
         return y.reshape(x.shape)
 
     # Rows and positions split as activations (a context axis splits positions); _local needs exactly the

@@ -12,6 +12,7 @@ from jax.sharding import AxisType, Mesh
 
 from ling2.config import load_config
 from ling2.layers.moe import ep as moe_ep
+from ling2.layers.moe import plan as moe_plan
 from ling2.layers.moe.layer import MoE
 from ling2.config.specs import MoESpec
 
@@ -100,7 +101,9 @@ def test_ep_needs_batch_sharded_over_expert_and_divisible_experts():
     w = (jnp.zeros((6, 128, 8)),) * 2 + (jnp.zeros((6, 8, 128)),)
     with pytest.raises(ValueError, match="not divisible"):
         moe_ep.dropless_ep(jnp.zeros((8, 2, 128)), jnp.zeros((8, 2, 2), jnp.int32), jnp.zeros((8, 2, 2)), w,
-                           mesh=make_mesh(2, 4), rules=cfg.logical_axis_rules, gmm="tiled")
+                           mesh=make_mesh(2, 4), rules=cfg.logical_axis_rules,
+                           plans=moe_plan.plans(MoESpec.of(cfg), {"data": 2, "expert": 4}, tokens=16, model_dim=128,
+                                                gmm="tiled"))
 
 
 @pytest.mark.parametrize("expert,capacity,skew", [(2, 0.0, 0.0), (4, 0.0, 0.0), (8, 0.0, 0.0), (4, 2.5, 0.0),

@@ -17,7 +17,7 @@ from flax import nnx
 
 from ling2.config.specs import MoESpec, WeightsSpec
 from ling2.kernels import fp8
-from ling2.kernels.moe.gmm import gather_rows, grouped_ffn
+from ling2.kernels.moe.gmm import gather_rows
 
 F32 = jnp.float32
 
@@ -87,13 +87,13 @@ def combine(y_TKD, weights_TK, dtype):
     return jnp.einsum("tkd,tk->td", y_TKD, weights_TK, preferred_element_type=F32).astype(dtype)
 
 
-def dropless(x_TD, experts_TK, weights_TK, w, gmm: str, *, partitioned: bool = False, q: fp8.Fp8 | None = None):
-    """Routed output [T, D]: every assignment is computed (sort, grouped matmul, unsort).
-    `partitioned`, `q`: see `moe_gmm.grouped_ffn`."""
+def dropless(x_TD, experts_TK, weights_TK, w, ffn):
+    """Routed output [T, D]: every assignment is computed (sort, grouped matmul, unsort). ffn(x_MD, gs_E, w)
+    is the grouped SwiGLU (the plan's: `ling2.layers.moe.plan.grouped_ffn`)."""
     T, K = experts_TK.shape
     order_M, inv_M, gs_E = sort_by_expert(experts_TK, w[0].shape[0])
     x_MD = gather_rows(x_TD, order_M // K, inv_M, K)
-    y_MD = grouped_ffn(x_MD, gs_E, w, gmm, partitioned=partitioned, q=q)
+    y_MD = ffn(x_MD, gs_E, w)
     y_TKD = gather_rows(y_MD, inv_M, order_M, 1).reshape(T, K, -1)
     return combine(y_TKD, weights_TK, x_TD.dtype)
 

@@ -6,10 +6,13 @@ Experts (ling2.layers.moe.experts): dropless sort + grouped matmul (`sparse_matm
 most E assignments, as in decoding, each token's experts' weights gathered instead), or the
 dense one-hot path with `capacity_factor`. Under a mesh whose `expert` axis is > 1
 (`jax.set_mesh`, e.g. ling2.layers.sharding.use_mesh) the dropless path runs expert
-parallel (ling2.layers.moe.ep). `dispatch_path` is the one place that decides which.
+parallel (ling2.layers.moe.ep). The plan (`ling2.layers.moe.plan.moe_plan`) is the one place that decides
+which, and which grouped matmul and exchange run on the platform lowered for.
 
 Everything the trainer needs comes back in `MoEAux`; nothing is sown or kept globally.
 """
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +23,7 @@ from ling2.kernels import fp8
 from ling2.layers.moe import ep as moe_ep
 from ling2.layers.moe import experts as moe_experts
 from ling2.kernels.moe import gmm as moe_gmm
+from ling2.layers.moe import plan as moe_plan
 from ling2.layers.moe import router as moe_router
 from ling2.layers.moe.experts import Mlp
 from ling2.layers.moe.router import router_metrics, update_routed_bias
@@ -61,37 +65,6 @@ def matmul_params(cfg, active: bool = True) -> int:
     E, N, F = cfg.base_emb_dim, cfg.num_experts, cfg.base_moe_mlp_dim
     experts = cfg.num_experts_per_tok if active else N
     return E * N + experts * 3 * E * F + 3 * E * cfg.shared_experts * cfg.shared_expert_dim
-
-
-PATHS = ("dense_capacity", "expert_parallel", "gathered", "per_device", "partitioned")
-
-
-def dispatch_path(*, sparse_matmul: bool, gmm: str, mesh_shape: dict, tokens: int, k: int, num_experts: int) -> str:
-    """Where the routed experts run, from the config, the mesh's axis sizes ({} without a mesh) and the call's
-    sizes (one of PATHS):
-      dense_capacity: sparse_matmul off: the one-hot dispatch with capacity_factor (drops over capacity);
-      expert_parallel: an `expert` mesh axis > 1: experts sharded over it, rows moved by all-to-all (moe_ep);
-      gathered: decode-sized (tokens * k <= experts): each token's chosen experts' weights gathered;
-      per_device: several devices and no tensor axis: the grouped matmul per device in shard_map (as a
-        Pallas kernel must run: XLA cannot partition one);
-      partitioned: one device, or tensor-parallel experts: the grouped matmul partitioned by XLA, so
-        moe_gmm_backend=megablox is refused there."""
-    devices = 1
-    for size in mesh_shape.values():
-        devices *= size
-    if not sparse_matmul:
-        return "dense_capacity"
-    if mesh_shape.get("expert", 1) > 1:
-        return "expert_parallel"
-    if tokens * k <= num_experts:
-        return "gathered"
-    if devices > 1 and mesh_shape.get("tensor", 1) == 1:
-        return "per_device"
-    if devices > 1 and gmm == "megablox":
-        raise ValueError("moe_gmm_backend=megablox: a tensor-parallel mesh without expert parallelism partitions "
-                         "the experts by XLA, which cannot partition a Pallas kernel; use auto, ragged_dot, or "
-                         "ici_expert_parallelism > 1")
-    return "partitioned"
 
 
 class MoE(nnx.Module):
@@ -136,21 +109,20 @@ class MoE(nnx.Module):
         experts_BSK, weights_BSK = r.experts_TK.reshape(B, S, K), r.weights_TK.reshape(B, S, K)
         mesh = jax.sharding.get_abstract_mesh()
         mesh_shape = {} if mesh.empty else dict(mesh.shape)
-        path = dispatch_path(sparse_matmul=spec.sparse_matmul, gmm=gmm, mesh_shape=mesh_shape, tokens=T, k=K,
-                             num_experts=E)
+        plans = moe_plan.plans(spec, mesh_shape, tokens=T, model_dim=D, gmm=gmm)
+        path = plans["default"].path
         if path == "dense_capacity":
             y_BSD, kept_BSK = moe_experts.dense_capacity(x_BSD, experts_BSK, weights_BSK, w, spec.capacity_factor, q)
             dropped_BSK = ~kept_BSK if valid_BS is None else ~kept_BSK & valid_BS.astype(bool)[..., None]
             stats["dropped"] = dropped_BSK.astype(F32).sum()
         elif path in ("expert_parallel", "per_device"):
             y_BSD = moe_ep.dropless_ep(x_BSD, experts_BSK, weights_BSK, w, mesh=mesh, rules=spec.logical_axis_rules,
-                                       gmm=gmm, q=q, a2a=spec.moe_ep_all_to_all,
-                                       capacity_factor=spec.moe_ep_capacity_factor)
+                                       plans=plans, q=q, capacity_factor=spec.moe_ep_capacity_factor)
         elif path == "gathered":
             y_BSD = moe_experts.gathered(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w).reshape(B, S, D)
         else:
-            y_BSD = moe_experts.dropless(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w, gmm,
-                                         partitioned=bool(mesh_shape) and mesh.size > 1, q=q).reshape(B, S, D)
+            y_BSD = moe_experts.dropless(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w,
+                                         partial(moe_plan.grouped_ffn, plans, q=q)).reshape(B, S, D)
         if self.shared_experts is not None:
             y_BSD = y_BSD + self.shared_experts(x_BSD)
         return y_BSD, MoEAux(lb_loss=lb_loss, z_loss=z_loss, counts=counts_E, stats=stats)

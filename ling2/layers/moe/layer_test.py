@@ -3,6 +3,7 @@ shared/docs/model.md (MoE section), hand-computed cases, and the ST-MoE / loss-f
 formulas written plainly."""
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from ling2.config import load_config
 from ling2.layers.moe import layer as moe
 from ling2.layers.moe import experts as moe_experts
 from ling2.kernels.moe import gmm as moe_gmm
+from ling2.layers.moe import plan as moe_plan
 from ling2.layers.moe import router as moe_router
 from ling2.layers.moe.layer import MoE, MoEAux, bias_update
 from ling2.layers.moe.router import RoutedBias
@@ -188,7 +190,7 @@ def test_decode_sized_input_gathers_experts_and_matches_numpy_loop(monkeypatch, 
     m = MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0), gmm="tiled")
     randomize_bias(m)
     x = jax.random.normal(jax.random.key(2), (2, 2, cfg.base_emb_dim))  # T*K = 16 = E assignments: gathered
-    monkeypatch.setattr(moe_experts, "grouped_ffn", lambda *a: (_ for _ in ()).throw(AssertionError("grouped")))
+    monkeypatch.setattr(moe_plan, "grouped_ffn", lambda *a: (_ for _ in ()).throw(AssertionError("grouped")))
     y, _ = nnx.jit(lambda m, x: m(x))(m, x)
     ref, _ = ref_moe(m, np.asarray(x).reshape(4, -1))
     np.testing.assert_allclose(np.asarray(y).reshape(4, -1), ref, rtol=1e-4, atol=1e-6)
@@ -443,29 +445,6 @@ def test_layer_grads_dropless_equal_dense_path():
         np.testing.assert_allclose(a[...], b[...], rtol=1e-4, atol=1e-6, err_msg=str(path))
 
 
-@pytest.mark.parametrize("sparse, gmm, mesh_shape, tokens, want", [
-    (False, "auto", {}, 4096, "dense_capacity"),
-    (False, "auto", {"data": 2, "expert": 4}, 4096, "dense_capacity"),  # the config's choice wins
-    (True, "auto", {"data": 2, "expert": 4}, 4096, "expert_parallel"),
-    (True, "auto", {"data": 2, "expert": 4}, 2, "expert_parallel"),  # sharded experts even when decode-sized
-    (True, "auto", {}, 8, "gathered"),  # 8 tokens x 8 experts each <= 64 experts
-    (True, "auto", {}, 9, "partitioned"),
-    (True, "megablox", {}, 4096, "partitioned"),  # one device: nothing to partition
-    (True, "megablox", {"data": 8, "expert": 1, "tensor": 1}, 4096, "per_device"),
-    (True, "auto", {"data": 4, "expert": 1, "tensor": 2}, 4096, "partitioned"),
-    (True, "auto", {"data": 1, "expert": 1, "tensor": 1}, 4096, "partitioned"),  # a mesh of one device
-])
-def test_dispatch_path_table(sparse, gmm, mesh_shape, tokens, want):
-    assert moe.dispatch_path(sparse_matmul=sparse, gmm=gmm, mesh_shape=mesh_shape, tokens=tokens, k=8,
-                             num_experts=64) == want
-
-
-def test_dispatch_path_refuses_megablox_partitioned_by_xla():
-    with pytest.raises(ValueError, match="megablox: a tensor-parallel mesh without expert parallelism"):
-        moe.dispatch_path(sparse_matmul=True, gmm="megablox", mesh_shape={"data": 4, "expert": 1, "tensor": 2},
-                          tokens=4096, k=8, num_experts=64)
-
-
 # ---- dropless dispatch: one sort, the combine in the activation dtype -----------------------------
 
 def count_eqns(jaxpr, name: str) -> int:
@@ -511,7 +490,7 @@ def test_dropless_sorts_once_forward_and_backward(gmm):
     experts_TK = routing(jax.random.key(0), T, K, E, 6)
 
     def loss(x, weights_TK, w):
-        return moe_experts.dropless(x, experts_TK, weights_TK, w, gmm).sum()
+        return moe_experts.dropless(x, experts_TK, weights_TK, w, partial(moe_gmm.grouped_ffn, gemm=gmm)).sum()
 
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(jnp.zeros((T, D)), jnp.zeros((T, K)), w)
     assert count_eqns(jaxpr.jaxpr, "sort") == 1
@@ -584,7 +563,8 @@ def test_dropless_keeps_expert_outputs_in_bf16_for_the_backward():
     bf = jnp.bfloat16
     w = tuple(jax.ShapeDtypeStruct(s, bf) for s in [(E, D, F), (E, D, F), (E, F, D)])
     experts_TK = routing(jax.random.key(0), T, K, E, E)
-    f = lambda x, weights_TK, *w: moe_experts.dropless(x, experts_TK, weights_TK, w, "ragged_dot")
+    ffn = partial(moe_gmm.grouped_ffn, gemm="ragged_dot")
+    f = lambda x, weights_TK, *w: moe_experts.dropless(x, experts_TK, weights_TK, w, ffn)
     saved = jax.tree.leaves(jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], jax.ShapeDtypeStruct((T, D), bf),
                                            jax.ShapeDtypeStruct((T, K), jnp.float32), *w))
     assert ((T, K, D), bf) in [(r.shape, r.dtype) for r in saved]
