@@ -34,6 +34,7 @@ from flax import nnx
 
 from ling2.infer.load import InferError
 from ling2.layers.attention import decode as decode_lib
+from ling2.layers.attention.registry import ATTENTION
 from ling2.layers.moe.layer import MoE
 
 PROMPT_BUCKET = 32
@@ -376,7 +377,8 @@ class Generator:
         self.vocab = model.decoder.embed.embedding.shape[0]
         self.num_mtp = 0 if model.mtp is None else len(model.mtp.depths)
         self.traces = {"prefill": 0, "decode": 0}
-        self.has_kda = any(layer.attn_type == "kda" for _, layer in model.decoder.unstacked())
+        self.no_packed_prefill = sorted({layer.attn_type for _, layer in model.decoder.unstacked()
+                                         if not ATTENTION[layer.attn_type].packed_prefill})
         self._run = jax.jit(self._generate, static_argnames=("lay", "N", "s", "stop_ids", "spec", "absorb", "packed"))
 
     def _generate(self, state, ids, pos, seg, lengths, key, packed_inputs, *, lay, N, s, stop_ids, spec, absorb,
@@ -405,8 +407,9 @@ class Generator:
             raise InferError(f"--max_new_tokens={max_new_tokens}: must be >= 1")
         if speculative and not self.num_mtp:
             raise InferError("--speculative_mtp: the model has no MTP layers (mtp_num_layers=0)")
-        if packed and self.has_kda:
-            raise InferError("--packed: packed prefill is not supported for models with KDA layers (Ling 3); "
+        if packed and self.no_packed_prefill:
+            raise InferError(f"--packed: packed prefill is not supported for models with "
+                             f"{', '.join(k.upper() for k in self.no_packed_prefill)} layers; "
                              "leave it off (each prompt is prefilled in its own row)")
         stop_ids = tuple(sorted({int(i) for i in stop_ids}))
         K = self.num_mtp if speculative else 0

@@ -101,8 +101,8 @@ class DecoderLayer(nnx.Module):
         new = []
 
         def attend(h):
-            a, c = getattr(self.attention, mode)(h, positions_BT, segment_ids_BT, cache, state, opts,
-                                                 layer_index=layer_index)
+            call = self.attention.prefill if mode == "prefill" else self.attention.step
+            a, c = call(h, positions_BT, segment_ids_BT, cache, state, opts, layer_index=layer_index)
             new.append(c)
             return a
 

@@ -19,11 +19,29 @@ overwritten before they are read) are never attended to. Rolling a row back (spe
 decoding) is moving its `index` back and `accept`ing each layer's state.
 """
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+
+@runtime_checkable
+class CachedAttention(Protocol):
+    """What every attention kind implements for cached decoding (the module docstring's table); a kind that
+    cannot unpack packed rows says so by its registry entry's `packed_prefill` and raises in `unpack`."""
+
+    def init_cache(self, batch: int, max_len: int) -> Any: ...
+
+    def prefill(self, x_BTE, positions_BT, segment_ids_BT, cache, state: "DecodeState", opts: "DecodeOptions", *,
+                layer_index=None) -> tuple[jax.Array, Any]: ...
+
+    def step(self, x_BTE, positions_BT, segment_ids_BT, cache, state: "DecodeState", opts: "DecodeOptions", *,
+             layer_index=None) -> tuple[jax.Array, Any]: ...
+
+    def accept(self, old, new, keep_B, live_B) -> Any: ...
+
+    def unpack(self, packed, empty, gather: "Gather") -> Any: ...
 
 
 class DecodeState(NamedTuple):

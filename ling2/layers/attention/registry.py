@@ -9,7 +9,9 @@ Each entry holds what the rest of Ling2 needs of a kind:
                                      depend on it (GLA's decays);
   matmul_params(cfg), mixing_flops(cfg, seq_len)   its FLOP count (`ling2.layers.model`);
   cache                              the type its init_cache returns;
-  hf_params(layout)                  its weights' HF names (`ling2.convert.mapping`).
+  hf_params(layout)                  its weights' HF names (`ling2.convert.mapping`);
+  packed_prefill                     whether its cache can unpack packed prompt rows (`unpack`): generation
+                                     offers packed prefill only when every layer's kind can.
 """
 
 from typing import Callable, NamedTuple
@@ -27,6 +29,7 @@ class AttentionKind(NamedTuple):
     mixing_flops: Callable
     cache: type
     hf_params: Callable
+    packed_prefill: bool = True
 
 
 ATTENTION = {
@@ -35,5 +38,5 @@ ATTENTION = {
     "gla": AttentionKind(specs.GLASpec, attention_gla.GatedLinearAttention, attention_gla.matmul_params, attention_gla.mixing_flops,
                          attention_gla.GLACache, attention_gla.hf_params),
     "kda": AttentionKind(specs.KDASpec, attention_kda.KimiDeltaAttention, attention_kda.matmul_params, attention_kda.mixing_flops,
-                         attention_kda.KDACache, attention_kda.hf_params),
+                         attention_kda.KDACache, attention_kda.hf_params, packed_prefill=False),
 }
