@@ -11,6 +11,7 @@ from typing import Any, Optional
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
 from ling2.config import enums as T
+from ling2.config.kinds import FULL, KINDS, free_on_resume
 
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
@@ -326,16 +327,7 @@ class Config(*GROUPS):
         hd = self.base_num_query_heads * self.head_dim
         need(hd % self.group_norm_size == 0, "group_norm_size",
              f"{self.group_norm_size} groups do not divide num_query_heads*head_dim={hd}")
-        if self.linear_attention_type == "gla":
-            rot = self.head_dim * self.partial_rotary_factor
-            need(rot == int(rot) and int(rot) % 2 == 0, "partial_rotary_factor",
-                 f"head_dim*partial_rotary_factor={rot} must be an even integer")
-            need(int(rot) == self.qk_rope_head_dim, "qk_rope_head_dim",
-                 f"must equal head_dim*partial_rotary_factor={rot} (both rotary tables share it)")
-        else:
-            need(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", f"must be even, got {self.qk_rope_head_dim}")
-            C = self.kda_chunk_size
-            need(C >= 16 and C & (C - 1) == 0, "kda_chunk_size", f"must be a power of two >= 16, got {C}")
+        KINDS[self.linear_attention_type].validate(self, need)
         if self.rope_type == "default":
             need(self.max_target_length <= self.max_position_embeddings, "max_target_length",
                  f"{self.max_target_length} exceeds max_position_embeddings={self.max_position_embeddings} with "
@@ -375,8 +367,8 @@ class Config(*GROUPS):
     def _derive(self) -> None:
         L, k = self.base_num_decoder_layers, self.inhomogeneous_layer_cycle_interval
         lin = self.linear_attention_type
-        tail = (L // k) * k if lin == "gla" else L  # Ling 3: a trailing partial group stays linear
-        types = tuple("mla" if (i + 1) % k == 0 or i >= tail else lin for i in range(L))
+        tail = L if KINDS[lin].trailing_group_linear else (L // k) * k
+        types = tuple(FULL if (i + 1) % k == 0 or i >= tail else lin for i in range(L))
         object.__setattr__(self, "_layer_types", types)
         mlps = tuple("dense" if i < self.first_num_dense_layers else "moe" for i in range(L))
         object.__setattr__(self, "_mlp_types", mlps)
@@ -399,10 +391,8 @@ class Config(*GROUPS):
 
     @property
     def rotary_dim(self) -> int:
-        """Rotated dims per head (GLA and MLA share it; with KDA, which has no RoPE, MLA's qk_rope_head_dim)."""
-        if self.linear_attention_type == "kda":
-            return self.qk_rope_head_dim
-        return int(self.head_dim * self.partial_rotary_factor)
+        """Rotated dims per head, as the linear kind shares them with the full kind (`ling2.config.kinds`)."""
+        return KINDS[self.linear_attention_type].rotary_dim(self)
 
     @property
     def shared_expert_dim(self) -> int:
@@ -416,10 +406,11 @@ class Config(*GROUPS):
     def context_problem(self, context: int) -> Optional[str]:
         """Why a context axis of `context` shards (ici x dcn) cannot split this run's sequences, or None: each
         shard must hold whole chunks of the linear-attention kernel."""
-        chunk = self.gla_chunk_size if self.linear_attention_type == "gla" else self.kda_chunk_size
+        field = KINDS[self.linear_attention_type].chunk_field
+        chunk = getattr(self, field)
         if context > 1 and self.max_target_length % (context * chunk):
             return (f"context parallelism {context} needs max_target_length ({self.max_target_length}) to be a "
-                    f"multiple of context x {self.linear_attention_type}_chunk_size = {context} x {chunk}")
+                    f"multiple of context x {field} = {context} x {chunk}")
         if context > 1 and self.attention_kernel == "flash" and (self.max_target_length // context) % 128:
             return (f"context parallelism {context} with attention_kernel=flash needs max_target_length "
                     f"({self.max_target_length}) / context to be a multiple of 128 (splash attention's query blocks)")
@@ -451,8 +442,8 @@ RESUME_GROUPS: dict[type[BaseModel], str] = {
 }
 RESUME_FIELDS: dict[str, str] = {
     # kernels and memory: the same model, computed another way
-    "attention_kernel": RESUME_FREE, "attention_block_size": RESUME_FREE, "remat_policy": RESUME_FREE,
-    "gla_backend": RESUME_FREE, "gla_chunk_size": RESUME_FREE, "moe_gmm_backend": RESUME_FREE,
+    **free_on_resume(), "remat_policy": RESUME_FREE, "moe_gmm_backend": RESUME_FREE,
+    "scan_layers": RESUME_FREE, "loss_vocab_blocks": RESUME_FREE,  # checkpoints re-lay out; nothing saved changes
     "moe_ep_all_to_all": RESUME_FREE, "moe_ep_capacity_factor": RESUME_FREE,
     "grain_worker_count": RESUME_FREE, "blend_cache_dir": RESUME_FREE,
     # training hyperparameters outside the optimizer group

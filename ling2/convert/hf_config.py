@@ -26,6 +26,7 @@ import functools
 import re
 
 from ling2.config import ConfigError, load_config
+from ling2.config.kinds import FULL, KINDS
 
 LAYOUTS = ("bailing", "bailing_hybrid", "deepseek_v3")
 
@@ -121,8 +122,9 @@ def detect_layout(hf: dict) -> str:
 
 
 def layout_for(cfg) -> str:
-    """The HF layout a Ling2 config is written in by default: bailing_hybrid for KDA models, else bailing."""
-    return "bailing_hybrid" if cfg.linear_attention_type == "kda" else "bailing"
+    """The HF layout a Ling2 config is written in by default: its linear kind's (`ling2.config.kinds`: bailing_hybrid
+    for KDA models, else bailing)."""
+    return KINDS[cfg.linear_attention_type].hf_layout
 
 
 def _hybrid_names(hf: dict, where: str) -> dict:
@@ -390,8 +392,9 @@ def _generated(cfg, layout: str) -> dict:
     if layout == "bailing_hybrid":
         return _hybrid_generated(cfg, common, shared_width)
     if layout == "deepseek_v3":
-        if any(t != "mla" for t in cfg.layer_types):
-            raise HFConfigError("layout deepseek_v3: every layer must be MLA (inhomogeneous_layer_cycle_interval=1)")
+        if any(t != FULL for t in cfg.layer_types):
+            raise HFConfigError(f"layout deepseek_v3: every layer must be {FULL.upper()} "
+                                "(inhomogeneous_layer_cycle_interval=1)")
         if shared_width and shared_width % cfg.base_moe_mlp_dim:
             raise HFConfigError(f"layout deepseek_v3: shared expert width {shared_width} is not a multiple of "
                                 f"base_moe_mlp_dim={cfg.base_moe_mlp_dim}")
@@ -407,8 +410,9 @@ def _generated(cfg, layout: str) -> dict:
 def _hybrid_generated(cfg, common: dict, shared_width: int) -> dict:
     """config.json of a Ling 3 config, in the names transformers saves (attribute_map aliases)."""
     w = "layout bailing_hybrid"
-    if cfg.linear_attention_type != "kda" or not cfg.mla_output_gate:
-        raise HFConfigError(f"{w}: needs linear_attention_type kda and mla_output_gate true")
+    hybrid = [k for k, v in KINDS.items() if v.hf_layout == "bailing_hybrid"]
+    if cfg.linear_attention_type not in hybrid or not cfg.mla_output_gate:
+        raise HFConfigError(f"{w}: needs linear_attention_type {' or '.join(hybrid)} and mla_output_gate true")
     if cfg.q_lora_rank:
         raise HFConfigError(f"{w}: q_lora_rank={cfg.q_lora_rank}: the reference MLA has no q-LoRA (set 0)")
     if cfg.routed_score_func != "sigmoid" or not cfg.routed_bias or not cfg.mla_interleaved_rope:

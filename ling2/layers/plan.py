@@ -8,7 +8,7 @@ Each `LayerSpec` names a layer's global index, attention kind (cfg.layer_types),
           of `group_size` (= inhomogeneous_layer_cycle_interval) layers with one pattern,
           stacked on a leading "layers" axis and run by one `lax.scan`;
   suffix  ("decoder", "suffix", j):          a trailing partial group.
-MTP depth d is layer L + d at ("mtp", "depths", d, "layer"), always MLA + MoE.
+MTP depth d is layer L + d at ("mtp", "depths", d, "layer"), always the full-attention kind (MLA) + MoE.
 
 The decoder builds itself from this plan; the converter's HF mapping, the checkpoint
 relayout and the expert-bias bookkeeping iterate it. A new attention kind only needs a
@@ -16,6 +16,8 @@ name in cfg.layer_types and a module registered in `ling2.layers.attention.regis
 """
 
 from typing import NamedTuple
+
+from ling2.config.kinds import FULL
 
 
 class LayerSpec(NamedTuple):
@@ -83,6 +85,6 @@ def layer_plan(cfg) -> LayerPlan:
         else:
             path, stack = ("decoder", "suffix", i - p - n * k), ()
         layers.append(LayerSpec(i, attn, mlp, path, stack))
-    mtp = tuple(LayerSpec(L + d, "mla", "moe", ("mtp", "depths", d, "layer"), (), True)
+    mtp = tuple(LayerSpec(L + d, FULL, "moe", ("mtp", "depths", d, "layer"), (), True)
                 for d in range(cfg.mtp_num_layers))
     return LayerPlan(tuple(layers), mtp, bool(cfg.scan_layers), p, n, k)
