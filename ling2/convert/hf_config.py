@@ -121,6 +121,11 @@ def detect_layout(hf: dict) -> str:
     return "deepseek_v3" if "deepseek" in kind else "bailing"
 
 
+def _layout_kind(layout: str) -> str:
+    """The linear attention kind an HF layout is written for (`ling2.config.kinds`)."""
+    return next(k for k, v in KINDS.items() if v.role == "linear" and v.hf_layout == layout)
+
+
 def layout_for(cfg) -> str:
     """The HF layout a Ling2 config is written in by default: its linear kind's (`ling2.config.kinds`: bailing_hybrid
     for KDA models, else bailing)."""
@@ -159,7 +164,7 @@ def _hybrid_overrides(hf: dict, explicit: set, w: str) -> dict:
     head_dim = hf["linear_head_dim"] if hf.get("linear_head_dim") else hf["head_dim"]
     n_shared = hf.get("n_shared_experts") or 0
     return {
-        "linear_attention_type": "kda", "mla_output_gate": True, "head_dim": _pos_int({"head_dim": head_dim},
+        "linear_attention_type": _layout_kind("bailing_hybrid"), "mla_output_gate": True, "head_dim": _pos_int({"head_dim": head_dim},
                                                                                        "head_dim", w),
         "inhomogeneous_layer_cycle_interval": G, "q_lora_rank": 0, "mla_interleaved_rope": True,
         "use_qk_norm": False, "group_norm_size": 1, "num_experts": hf["num_local_experts"],
