@@ -94,7 +94,7 @@ class Rope(_Group):
 
 
 class LinearAttention(_Group):
-    linear_attention_type: T.LinearAttentionType = _f(
+    linear_attention_type: str = _f(
         "Linear-attention kind of the hybrid: gla (Ling2, BailingMoeV2_5) or kda (Ling 3, Kimi Delta Attention).")
     use_qk_norm: bool = _f("RMSNorm over D on q and k of GLA layers.")
     use_linear_silu: bool = _f("SiLU on the fused qkv projection of GLA layers.")
@@ -307,6 +307,9 @@ class Config(*GROUPS):
             if not ok:
                 raise ValueError(f"{field}: {msg}")
 
+        linear = [k for k, v in KINDS.items() if v.role == "linear"]
+        need(self.linear_attention_type in linear, "linear_attention_type",
+             f"unknown kind {self.linear_attention_type!r} (one of {', '.join(linear)})")
         need(self.inhomogeneous_layer_cycle_interval >= 1, "inhomogeneous_layer_cycle_interval",
              f"must be >= 1, got {self.inhomogeneous_layer_cycle_interval}")
         need(self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
@@ -376,7 +379,7 @@ class Config(*GROUPS):
     # Derived values (computed once above, or trivially from fields).
     @property
     def layer_types(self) -> tuple[T.LayerType, ...]:
-        """Per-layer attention type: 'mla', 'gla' or 'kda'."""
+        """Per-layer attention kind (`ling2.config.kinds`): the full kind or `linear_attention_type`."""
         return self._layer_types
 
     @property
@@ -407,7 +410,7 @@ class Config(*GROUPS):
         """Why a context axis of `context` shards (ici x dcn) cannot split this run's sequences, or None: each
         shard must hold whole chunks of the linear-attention kernel."""
         field = KINDS[self.linear_attention_type].chunk_field
-        chunk = getattr(self, field)
+        chunk = getattr(self, field) if field else 1
         if context > 1 and self.max_target_length % (context * chunk):
             return (f"context parallelism {context} needs max_target_length ({self.max_target_length}) to be a "
                     f"multiple of context x {field} = {context} x {chunk}")

@@ -101,7 +101,7 @@ def test_context_parallel_plan_reports_its_collectives_and_roofline():
     assert r["compute"] == p["step_s_at_peak"]
     assert r["hbm"] == pytest.approx(p["hbm_traffic_bytes"] / 2765e9)
     assert r["ici"] == pytest.approx(p["collective_wire_bytes"] / 1200e9)
-    assert p["roofline_step_s"] == max(r.values()) and p["mla_context_imbalance"] == 1.0
+    assert p["roofline_step_s"] == max(r.values()) and p["full_attention_context_imbalance"] == 1.0
     # the batch's positions are split 4 ways: 2 rows x 512 positions x 5 int/float arrays x 2 micro-batches
     assert p["batch_bytes"] == 2 * 1 * (512 // 4) * 4 * 5
 
