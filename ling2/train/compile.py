@@ -178,7 +178,8 @@ def roofline(hlo_text: str, mesh_shape: dict, chip, compute_s: float, cfg) -> di
     out["roofline_bound"] = max(terms, key=terms.get)
     context = mesh_shape.get("context", 1)
     if context > 1:  # contiguous shards of a causal sequence: the last shard's queries see every key
-        out["full_attention_context_imbalance"] = (2 * context - 1) / context if cfg.attention_kernel == "flash" else 1.0
+        flash = cfg.attention_kernel == "flash"
+        out["full_attention_context_imbalance"] = (2 * context - 1) / context if flash else 1.0
     return out
 
 
@@ -226,7 +227,8 @@ def table(p: dict) -> str:
                       f"{p['chip_hbm_bandwidth'] / 1e9:.0f} GB/s HBM, {p['chip_ici_bandwidth'] / 1e9:.0f} GB/s ICI: "
                       f"{p['chip_source']})")]
             if "full_attention_context_imbalance" in p:
-                rows += [("full attention: causal work, max / mean shard", f"{p['full_attention_context_imbalance']:9.3f}")]
+                rows += [("full attention: causal work, max / mean shard",
+                          f"{p['full_attention_context_imbalance']:9.3f}")]
     else:
         rows += [("parameters", g(p["params_bytes"])), ("optimizer state", g(p["opt_state_bytes"])),
                  ("batch", g(p["batch_bytes"])), ("total (XLA stopped: out of HBM)", g(p["total_bytes"])),
