@@ -164,8 +164,8 @@ def _hybrid_overrides(hf: dict, explicit: set, w: str) -> dict:
     head_dim = hf["linear_head_dim"] if hf.get("linear_head_dim") else hf["head_dim"]
     n_shared = hf.get("n_shared_experts") or 0
     return {
-        "linear_attention_type": _layout_kind("bailing_hybrid"), "mla_output_gate": True, "head_dim": _pos_int({"head_dim": head_dim},
-                                                                                       "head_dim", w),
+        "linear_attention_type": _layout_kind("bailing_hybrid"), "mla_output_gate": True,
+        "head_dim": _pos_int({"head_dim": head_dim}, "head_dim", w),
         "inhomogeneous_layer_cycle_interval": G, "q_lora_rank": 0, "mla_interleaved_rope": True,
         "use_qk_norm": False, "group_norm_size": 1, "num_experts": hf["num_local_experts"],
         "routed_score_func": "sigmoid", "routed_bias": True, "norm_topk_prob": True,
