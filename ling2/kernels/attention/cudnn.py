@@ -6,7 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ling2.kernels.attention.op import blocked_attention
+from ling2.kernels.attention.dense import blocked_attention
 
 
 def cudnn_fits(K, V):

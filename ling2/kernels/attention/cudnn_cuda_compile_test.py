@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from ling2.kernels.testing.cuda import CUDNN_ATTENTION, h100_arg
-from ling2.kernels.attention import cudnn, op
+from ling2.kernels.attention import cudnn
 
 
 @pytest.mark.parametrize("K, V, calls", [(96, 64, 2), (192, 128, 0)])

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ling2.kernels.attention import cudnn, op
+from ling2.kernels.attention import cudnn, dense
 
 if jax.default_backend() != "gpu":
     raise RuntimeError(f"cudnn_gpu_device_test needs a GPU; JAX's default backend is {jax.default_backend()!r}")
@@ -29,11 +29,11 @@ def test_cudnn_attention_on_device_matches_plain_attention(K, V):
 
     fused = lambda q, k, v: cudnn.cudnn_attention(q, k, v, jnp.asarray(seg), K**-0.5, block=128)
     idx = np.broadcast_to(np.arange(T), (B, T))
-    mask = op.attention_mask(seg, seg, idx, idx)
+    mask = dense.attention_mask(seg, seg, idx, idx)
 
     def plain(q, k, v):
         with jax.default_matmul_precision("highest"):
-            return op.dot_product_attention(q, k, v, mask, K**-0.5)
+            return dense.dot_product_attention(q, k, v, mask, K**-0.5)
 
     bf = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
     run = jax.jit(lambda *a: (fused(*a), jax.grad(loss(fused), argnums=(0, 1, 2))(*a)))

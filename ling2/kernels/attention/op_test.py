@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ling2.kernels.attention import op, splash
+from ling2.kernels.attention import dense, splash
 
 
 @pytest.mark.parametrize("block", [4, 5, 64])
@@ -18,8 +18,8 @@ def test_blocked_attention_matches_dot_product_with_grads(block):
     v = jnp.asarray(r.normal(size=(B, T, H, 3)), jnp.float32)
     seg = jnp.asarray([[1] * 6 + [2] * 1 + [3] * 6, [4] * 13], jnp.int32)
     idx = jnp.broadcast_to(jnp.arange(T), (B, T))
-    full = lambda q, k, v: op.dot_product_attention(q, k, v, op.attention_mask(seg, seg, idx, idx), 0.3)
-    blocked = lambda q, k, v: op.blocked_attention(q, k, v, seg, 0.3, block)
+    full = lambda q, k, v: dense.dot_product_attention(q, k, v, dense.attention_mask(seg, seg, idx, idx), 0.3)
+    blocked = lambda q, k, v: dense.blocked_attention(q, k, v, seg, 0.3, block)
     np.testing.assert_allclose(np.asarray(blocked(q, k, v)), np.asarray(full(q, k, v)), rtol=1e-5, atol=1e-6)
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
     for gb, gf in zip(jax.grad(loss(blocked), (0, 1, 2))(q, k, v), jax.grad(loss(full), (0, 1, 2))(q, k, v)):

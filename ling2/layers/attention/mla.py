@@ -27,7 +27,7 @@ from ling2.config.specs import MLASpec
 from ling2.layers import norms, rope, sharding, yarn
 from ling2.kernels import attention as attention_ops
 from ling2.kernels import fp8
-from ling2.kernels.attention.op import NEG_INF, context_attention
+from ling2.kernels.attention.dense import NEG_INF, context_attention
 from ling2.kernels.attention.splash import causal_mask
 from ling2.layers.attention.decode import attention_mask as decode_mask
 from ling2.layers.attention.decode import move_slots, overflow_to_nan, write_rows
