@@ -16,23 +16,36 @@ directory's metrics.jsonl (all its processes, across restarts) into totals; good
 the total.
 """
 
+import contextlib
 import json
+import time
 from pathlib import Path
 
 KINDS = ("compile", "step", "data_wait", "checkpoint", "restore", "eval", "lost")
 
 
 class Goodput:
-    """Seconds by kind for the current logging window, and for the whole process."""
+    """Seconds by kind for the current logging window, and for the whole process. `clock` gives seconds
+    (a monotonic one: `time.perf_counter`)."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
         self.window = dict.fromkeys(KINDS, 0.0)
         self.total = dict.fromkeys(KINDS, 0.0)
         self.lost_steps = 0
+        self.clock = clock
 
     def add(self, kind: str, seconds: float):
         self.window[kind] += seconds
         self.total[kind] += seconds
+
+    @contextlib.contextmanager
+    def timed(self, kind: str | None):
+        """Charges the time the `with` body takes to `kind` once it completes (a body that raises ends the
+        run, so it charges nothing). None charges no kind: for a phase that is counted only sometimes."""
+        t0 = self.clock()
+        yield
+        if kind is not None:
+            self.add(kind, self.clock() - t0)
 
     def summary(self) -> dict:
         """This process's totals, as `summary` gives a run's."""

@@ -3,8 +3,8 @@
 `run(cfg, run_dir, make_iter, ...)` is the library entry point; `train.py` is the absl binary
 around it. The loop dispatches step n+1 before it reads anything of step n, so the host
 prepares batches while the devices compute. Every place that waits for the devices is marked
-`# host sync`: the previous step's finite flag (ready by then), and log, eval and checkpoint
-steps.
+`# host sync` (here and in `ling2.train.hooks`, the periodic work): the previous step's finite flag
+(ready by then), and log, eval and checkpoint steps.
 """
 
 import dataclasses
@@ -23,12 +23,12 @@ from ling2.checkpoint.manager import Checkpointer
 from ling2.checkpoint.manager import verify as checkpoint_verify
 from ling2.checkpoint.safetensors_io import INDEX_NAME
 from ling2.checkpoint.state import STATE_NAME, CheckpointError
-from ling2.layers.model import count_params, training_flops_per_token
-from ling2.layers.moe.router import router_metrics
+from ling2.layers.model import count_params
 from ling2.layers.sharding import use_mesh
+from ling2.train import hooks
 from ling2.train import step as step_lib
-from ling2.train.eval import Evaluator, merged_state
-from ling2.train.metrics import MetricsWriter, progress_line
+from ling2.train.eval import Evaluator
+from ling2.train.metrics import MetricsWriter
 from ling2.train import goodput as goodput_lib
 from ling2.train.profiler import StepProfiler
 from ling2.train.runtime import batch_sharding, check_context_groups, make_mesh, peak_flops_per_device, to_global
@@ -48,16 +48,6 @@ class RunResult:
     metrics_path: Path
     skipped_total: int
     stopped_by_signal: bool
-
-
-def moe_metrics(moe: dict, k: int) -> dict:
-    """Per-layer router metrics from summed counts/stats, and the worst case over layers."""
-    out = {}
-    for i, counts_E in moe["counts"].items():
-        out[f"layer_{i}"] = router_metrics(counts_E, moe["stats"][i], k)
-    if out:
-        out["max_violation_max"] = max(float(v["max_violation"]) for v in out.values() if "max_violation" in v)
-    return out
 
 
 def abstract_batch(cfg, mesh) -> dict:
@@ -110,7 +100,8 @@ def dry_run(cfg, mesh, log: Callable[[str], None] = print) -> dict:
 
 
 class _StopRequests:
-    """SIGTERM/SIGINT ask the loop to checkpoint and stop between steps; `stop(step)` says when.
+    """SIGTERM/SIGINT ask the loop to checkpoint and stop between steps; `stop(step)` says when, and the
+    call says whether to stop before the next step (a signal, or `stop_after` steps reached).
 
     One process: Python handlers record the signal. Several processes: every one must stop at the
     same step, so SIGTERM is left to JAX's preemption sync service (its handler, installed by
@@ -120,7 +111,7 @@ class _StopRequests:
     any process had reached when the notice arrived."""
 
     def __init__(self, log):
-        self.received = None
+        self.received, self.stopped, self.log = None, False, log
         self.sync = jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
         if jax.process_count() > 1 and not self.sync:
             log("warning: jax_enable_preemption_service is off: a signal stops only the process that receives it")
@@ -140,6 +131,15 @@ class _StopRequests:
             from jax.experimental import multihost_utils
             return multihost_utils.reached_preemption_sync_point(step)
         return self.received is not None
+
+    def __call__(self, step: int, stop_after: Optional[int]) -> bool:
+        """After `step` steps: stop on a signal (logged; `stopped` turns true) or once `stop_after` steps ran."""
+        if self.stop(step):
+            why = f"received {self.received}" if self.received else "stop requested (SIGTERM to one of the processes)"
+            self.log(f"{why}: saving a checkpoint at step {step} and exiting")
+            self.stopped = True
+            return True
+        return stop_after is not None and step >= stop_after
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
@@ -177,24 +177,42 @@ def check_load_parameters_path(path) -> None:
         raise CheckpointError(f"load_parameters_path: {path} is unusable: {reason}")
 
 
-def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_consecutive_skips: int = 5,
-        dry_run_only: bool = False, tensorboard: bool = True, log: Callable[[str], None] = print,
-        stop_after: Optional[int] = None, devices=None) -> RunResult:
-    """Trains `cfg.steps` steps (resuming from the newest good checkpoint in run_dir).
+class _NonFinite:
+    """Counts consecutive skipped updates (a non-finite loss or gradient) from each step's finite flag, and
+    raises TrainingError (after `close()`) at `limit` in a row. A flag is read once the next step is
+    dispatched, when it is ready and reading it leaves the devices busy; a step that logs or saves reads
+    its own at once, so its record and checkpoint follow a known-good step."""
 
-    make_iter(cfg, split, num_devices) gives this host's batches [M, b, S]; `devices`
-    (default: all) make the mesh. `dry_run_only` compiles the step and returns (see `dry_run`).
-    Everything a user can get wrong (run_dir, mesh, data, the checkpoint to resume and its config,
-    load_parameters_path) is checked before the model is built.
-    """
-    run_dir = Path(run_dir)
-    mesh = make_mesh(cfg, devices)
-    if jax.process_count() > 1:
-        check_context_groups(mesh.devices)  # each process loads whole rows
-    if dry_run_only:
-        dry_run(cfg, mesh, log)
-        return RunResult({}, 0, run_dir, run_dir / "checkpoints", run_dir / "metrics.jsonl", 0, False)
+    def __init__(self, limit: int, log, close):
+        self.limit, self.log, self.close = limit, log, close
+        self.skips, self.pending = 0, None  # pending: (step, metrics) whose flag is not read yet
 
+    def check(self, step: int, metrics, now: bool):
+        """Reads the pending step's flag, then this step's if `now` (else it is pending)."""
+        self.flush()
+        self.pending = step, metrics
+        if now:
+            self.flush()
+
+    def flush(self):
+        if self.pending is None:
+            return
+        (step, metrics), self.pending = self.pending, None
+        if float(metrics["finite"]):  # host sync
+            self.skips = 0
+            return
+        self.skips += 1
+        self.log(f"step {step}: non-finite loss or gradient, update skipped ({self.skips} in a row)")
+        if self.skips >= self.limit:
+            self.close()
+            raise TrainingError(f"{self.limit} consecutive non-finite steps at step {step}; "
+                                f"stopping with the last good checkpoint kept")
+
+
+def _open(cfg, run_dir: Path, mesh, make_iter, log):
+    """What a run starts from, checked before the model is built: run_dir, the train data, the checkpoint
+    to resume and its config, or load_parameters_path. Returns (train iterator, Checkpointer or None when
+    checkpointing is off, the step to resume or None)."""
     check_run_dir(run_dir)
     train_iter = make_iter(cfg, "train", mesh.size)  # data errors before the model is built
     ckpt = Checkpointer(run_dir / "checkpoints", cfg) if cfg.enable_checkpointing else None
@@ -204,35 +222,57 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
             log(line)
     elif cfg.load_parameters_path:
         check_load_parameters_path(cfg.load_parameters_path)
+    return train_iter, ckpt, resume
 
-    setup = abstract_state(cfg, mesh)
-    log(f"model: {cfg.model_name}, {count_params(cfg)['total'] / 1e6:.2f}M params, "
-        f"mesh {dict(mesh.shape)}")
-    step_fn = step_lib.jit_train_step(setup.graphdef, setup.tx, cfg, setup.schedule)
-    start = resume or 0
-    gp = goodput_lib.Goodput()
-    if resume is not None:
-        lost_s, gp.lost_steps = goodput_lib.lost_work(run_dir / "metrics.jsonl", resume)
-        gp.add("lost", lost_s)
-        t0 = time.perf_counter()
-        restored, _ = ckpt.restore(resume, fields(setup.state), train_iter)
-        gp.add("restore", time.perf_counter() - t0)
-        state = TrainState(**restored)
-        log(f"resumed from {ckpt.step_dir(resume)} (step {resume})")
-    else:
+
+def _initial_state(cfg, run_dir: Path, mesh, setup: TrainSetup, ckpt, resume, train_iter, gp, log) -> TrainState:
+    """The checkpoint's state (and data position) when resuming, charging `gp` the restore and the work the
+    cut-short run did past it; else fresh parameters, or load_parameters_path's."""
+    if resume is None:
         state = init_state(cfg, mesh, setup)
         if cfg.load_parameters_path:
             state = load_parameters(cfg, setup, state)
             log(f"initial weights from {cfg.load_parameters_path}")
-    meta = {"global_batch": cfg.global_batch_size(mesh.size)}
+        return state
+    lost_s, gp.lost_steps = goodput_lib.lost_work(run_dir / "metrics.jsonl", resume)
+    gp.add("lost", lost_s)
+    with gp.timed("restore"):
+        restored, _ = ckpt.restore(resume, fields(setup.state), train_iter)
+    state = TrainState(**restored)
+    log(f"resumed from {ckpt.step_dir(resume)} (step {resume})")
+    return state
 
+
+def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_consecutive_skips: int = 5,
+        dry_run_only: bool = False, tensorboard: bool = True, log: Callable[[str], None] = print,
+        stop_after: Optional[int] = None, devices=None) -> RunResult:
+    """Trains `cfg.steps` steps (resuming from the newest good checkpoint in run_dir).
+
+    make_iter(cfg, split, num_devices) gives this host's batches [M, b, S]; `devices`
+    (default: all) make the mesh. `dry_run_only` compiles the step and returns (see `dry_run`).
+    Everything a user can get wrong (run_dir, mesh, data, the checkpoint to resume and its config,
+    load_parameters_path) is checked before the model is built. Each step: the stop checks, the next
+    batch, the step, a poll of the background save, finite flags (`_NonFinite`), the hooks due (`hooks`).
+    """
+    run_dir = Path(run_dir)
+    mesh = make_mesh(cfg, devices)
+    if jax.process_count() > 1:
+        check_context_groups(mesh.devices)  # each process loads whole rows
+    if dry_run_only:
+        dry_run(cfg, mesh, log)
+        return RunResult({}, 0, run_dir, run_dir / "checkpoints", run_dir / "metrics.jsonl", 0, False)
+
+    train_iter, ckpt, resume = _open(cfg, run_dir, mesh, make_iter, log)
+    setup = abstract_state(cfg, mesh)
+    log(f"model: {cfg.model_name}, {count_params(cfg)['total'] / 1e6:.2f}M params, mesh {dict(mesh.shape)}")
+    step_fn = step_lib.jit_train_step(setup.graphdef, setup.tx, cfg, setup.schedule)
+    start, gp = resume or 0, goodput_lib.Goodput()
+    state = _initial_state(cfg, run_dir, mesh, setup, ckpt, resume, train_iter, gp, log)
+    saver = hooks.Save(ckpt, train_iter, {"global_batch": cfg.global_batch_size(mesh.size)}, log)
     writer = MetricsWriter(run_dir, tensorboard=tensorboard, start_step=start)
     evaluator = Evaluator(cfg, mesh, setup.graphdef, make_iter) if cfg.eval_interval or cfg.merge_window else None
-    flops_tok = training_flops_per_token(cfg)
-    peak = peak_flops_per_device() * mesh.size
-    losses, stopped, skips = {}, False, 0
-    unchecked = None  # (step, metrics) of the newest step whose finite flag is not read yet
-    t_window, wait_window, steps_window, tokens_per_step = time.perf_counter(), 0.0, 0, None
+    logger = hooks.Log(cfg, writer, gp, log, peak_flops_per_device() * mesh.size, start,
+                       evals=[hooks.Eval(cfg, evaluator), hooks.MergedEval(cfg, evaluator, ckpt)])
     t_start = time.perf_counter()
     profiler = StepProfiler(cfg, run_dir, log)
 
@@ -241,111 +281,35 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
         if ckpt is not None:
             ckpt.close()
 
-    def check(step, metrics):
-        """Counts consecutive non-finite steps from a step's finite flag."""
-        nonlocal skips
-        if float(metrics["finite"]):  # host sync
-            skips = 0
-            return
-        skips += 1
-        log(f"step {step}: non-finite loss or gradient, update skipped ({skips} in a row)")
-        if skips >= max_consecutive_skips:
-            close()
-            raise TrainingError(f"{max_consecutive_skips} consecutive non-finite steps at step {step}; "
-                                f"stopping with the last good checkpoint kept")
-
-    with _StopRequests(log) as sig, use_mesh(mesh, cfg.logical_axis_rules):
+    nonfinite = _NonFinite(max_consecutive_skips, log, close)
+    with _StopRequests(log) as stop, use_mesh(mesh, cfg.logical_axis_rules):
         step = start
-        while step < cfg.steps:
-            if sig.stop(step):
-                why = f"received {sig.received}" if sig.received else "stop requested (SIGTERM to one of the processes)"
-                log(f"{why}: saving a checkpoint at step {step} and exiting")
-                stopped = True
-                break
-            if stop_after is not None and step >= stop_after:
-                break
-            t0 = time.perf_counter()
-            batch = to_global(next(train_iter), cfg, mesh)
-            t1 = time.perf_counter()
-            wait_window += t1 - t0
-            gp.add("data_wait", t1 - t0)
-            if tokens_per_step is None:
-                tokens_per_step = batch["inputs"].size
-            with profiler.step(step):
-                state, metrics = step_fn(state, batch)
-            if step == start:  # tracing and compiling happen in the first call
-                jax.block_until_ready(metrics)
-                gp.add("compile", time.perf_counter() - t1)
-                t1 = time.perf_counter()
+        while step < cfg.steps and not stop(step, stop_after):
+            with gp.timed("data_wait"):
+                batch = to_global(next(train_iter), cfg, mesh)
+            with gp.timed("compile" if step == start else "step"):
+                with profiler.step(step):
+                    state, metrics = step_fn(state, batch)
+                if step == start:  # tracing and compiling happen in the first call
+                    jax.block_until_ready(metrics)
             step += 1
-            if ckpt is not None:
-                try:
-                    ckpt.poll()  # a background save that failed stops the run here, not at the next checkpoint
-                except CheckpointError as e:
-                    close()
-                    raise CheckpointError(f"{e} (found after step {step}; stopping)") from None
-            profiler.after(step, state)
-            steps_window += 1
-            if unchecked is not None:
-                check(*unchecked)
-            unchecked = step, metrics
-            evaluating = bool(cfg.eval_interval) and step % cfg.eval_interval == 0
-            merging = bool(cfg.merge_window) and step % (cfg.merge_every or cfg.eval_interval) == 0
-            logging = step % cfg.log_period == 0 or step == cfg.steps or evaluating or merging
-            saving = ckpt is not None and ckpt.due(step)
-            if not (logging or saving):
-                gp.add("step", time.perf_counter() - t1)
-                continue
-            check(*unchecked)
-            unchecked = None
+            with gp.timed("step"):
+                saver.poll(step, close)
+                profiler.after(step, state)
+                logging, saving = logger.due(step), saver.due(step)
+                nonfinite.check(step, metrics, now=logging or saving)  # host sync when now
+                record = logger.record(step, state, metrics, batch) if logging else None  # host sync
             if logging:
-                m = jax.device_get(metrics)  # host sync
-                dt = time.perf_counter() - t_window
-                tps = steps_window * tokens_per_step / dt
-                moe = m.pop("moe")
-                m.update(tokens_per_s=tps, mfu=tps * flops_tok / peak, data_wait_frac=wait_window / dt,
-                         step_time_s=dt / steps_window, skipped_total=int(state.skipped_total))  # host sync
-                if cfg.log_router_stats:
-                    m["router"] = moe_metrics(moe, cfg.num_experts_per_tok)
-                gp.add("step", time.perf_counter() - t1)
-                if evaluating:
-                    t2 = time.perf_counter()
-                    m["eval_loss"] = evaluator.evaluate(state)  # host sync
-                    gp.add("eval", time.perf_counter() - t2)
-                if merging:
-                    t2 = time.perf_counter()
-                    ckpt.wait()
-                    window = sorted(s for s in ckpt.steps() if s <= step)[-cfg.merge_window:]
-                    if len(window) == cfg.merge_window:
-                        merged = merged_state(state, [ckpt.step_dir(s) for s in window], cfg)
-                        m["eval/merged_loss"] = evaluator.evaluate(merged)  # host sync
-                        m["eval/merged_from_step"] = window[0]
-                    gp.add("eval", time.perf_counter() - t2)
-                t1 = time.perf_counter()
-                losses[step] = float(m["loss"])
-                writer.write(step, {**m, **gp.take()})
-                eta = (cfg.steps - step) * dt / steps_window
-                log(progress_line(step, cfg.steps, m, eta))
-                t_window, wait_window, steps_window = time.perf_counter(), 0.0, 0
-            else:
-                gp.add("step", time.perf_counter() - t1)
-            if saving and skips == 0:  # after logging: saved steps have metrics; never after a skipped step
-                t2 = time.perf_counter()
-                ckpt.save(step, fields(state), train_iter, {"step": step, **meta})
-                gp.add("checkpoint", time.perf_counter() - t2)
-        if unchecked is not None:
-            check(*unchecked)
+                logger(step, state, record)
+            if saving and nonfinite.skips == 0:  # after logging: saved steps have metrics; never after a skip
+                with gp.timed("checkpoint"):
+                    saver(step, state)
+        nonfinite.flush()
         profiler.after(step, state, last=True)
-    if ckpt is not None:
-        t2 = time.perf_counter()
-        if skips == 0:
-            ckpt.save(step, fields(state), train_iter, {"step": step, **meta}, force=True)
-        else:
-            log(f"step {step} followed {skips} skipped steps: not checkpointed")
-    close()
-    if ckpt is not None:
-        gp.add("checkpoint", time.perf_counter() - t2)
+    with gp.timed("checkpoint" if ckpt is not None else None):
+        saver.last(step, state, nonfinite.skips)
+        close()
     log(f"done: {step} steps in {time.perf_counter() - t_start:.1f}s")
     log(goodput_lib.summary_line(gp.summary()))
-    return RunResult(losses, step, run_dir, run_dir / "checkpoints", run_dir / "metrics.jsonl",
-                     int(state.skipped_total), stopped)
+    return RunResult(logger.losses, step, run_dir, run_dir / "checkpoints", run_dir / "metrics.jsonl",
+                     int(state.skipped_total), stop.stopped)

@@ -162,7 +162,7 @@ def test_lr_metric_is_the_rate_applied_after_a_skipped_step():
 
 def test_router_metrics_under_accumulation_equal_full_batch():
     """Counts and stats are sums, so metrics after 4 micro-batches equal one batch of 8 rows."""
-    from ling2.train.loop import moe_metrics
+    from ling2.train.hooks import moe_metrics
     full = batch(1, 8, seed=7)
     cfg, _, s1, f1 = make(gradient_accumulation_steps=1)
     _, _, s4, f4 = make(gradient_accumulation_steps=4)
