@@ -19,6 +19,7 @@ The platform is the one the computation is lowered for (a CPU host may compile f
 every platform's plan (`plans`) and `per_platform` runs the lowered platform's.
 """
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -39,9 +40,7 @@ class MoEPlan(NamedTuple):
 
 
 def _path(spec: MoESpec, gmm: str, mesh_shape: dict, tokens: int) -> str:
-    devices = 1
-    for size in mesh_shape.values():
-        devices *= size
+    devices = math.prod(mesh_shape.values())
     if not spec.sparse_matmul:
         return "dense_capacity"
     if mesh_shape.get("expert", 1) > 1:
@@ -93,11 +92,8 @@ def moe_plan(spec: MoESpec, mesh_shape: dict, platform: str, *, tokens: int, mod
     path = _path(spec, gmm, mesh_shape, tokens)
     if path in ("dense_capacity", "gathered"):
         return MoEPlan(path, None, False, None)
-    devices = 1
-    for size in mesh_shape.values():
-        devices *= size
     gemm, interpret = _gemm(gmm, platform, fp8=spec.quantization == "fp8",
-                            partitioned=path == "partitioned" and devices > 1, model_dim=model_dim,
+                            partitioned=path == "partitioned" and math.prod(mesh_shape.values()) > 1, model_dim=model_dim,
                             mlp_dim=spec.base_moe_mlp_dim)
     exchange = None
     if path in ("expert_parallel", "per_device"):
