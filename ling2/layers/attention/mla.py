@@ -12,8 +12,8 @@ mask is causal within the row AND equal segment id (packed documents never see e
 other). The softmax attention itself is `ling2.kernels.attention` with cfg.attention_kernel as its
 backend ("dot_product", "blocked", "cudnn", "flash"); with the sequence split over a context axis the
 latents are all-gathered and each device attends its own queries (`_attend_context`).
-Decoding (`ling2.layers.attention.decode`'s interface) keeps a latent KV cache (`MLACache`: normed c_kv and rotated k_rope per slot) and
-steps in the absorbed form: q_nope mapped into the latent space by kv_b's key half, scores and
+Decoding (`ling2.layers.attention.decode`'s interface) keeps a latent KV cache (`MLACache`: normed c_kv
+and rotated k_rope per slot) and steps in the absorbed form: q_nope mapped into the latent space by kv_b's key half, scores and
 the weighted sum taken against the latents, then kv_b's value half (`MLA.absorbed`); writing
 past the cache's end turns the output into NaN.
 """

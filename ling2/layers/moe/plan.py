@@ -92,9 +92,9 @@ def moe_plan(spec: MoESpec, mesh_shape: dict, platform: str, *, tokens: int, mod
     path = _path(spec, gmm, mesh_shape, tokens)
     if path in ("dense_capacity", "gathered"):
         return MoEPlan(path, None, False, None)
-    gemm, interpret = _gemm(gmm, platform, fp8=spec.quantization == "fp8",
-                            partitioned=path == "partitioned" and math.prod(mesh_shape.values()) > 1, model_dim=model_dim,
-                            mlp_dim=spec.base_moe_mlp_dim)
+    partitioned = path == "partitioned" and math.prod(mesh_shape.values()) > 1
+    gemm, interpret = _gemm(gmm, platform, fp8=spec.quantization == "fp8", partitioned=partitioned,
+                            model_dim=model_dim, mlp_dim=spec.base_moe_mlp_dim)
     exchange = None
     if path in ("expert_parallel", "per_device"):
         a2a = "padded" if mesh_shape.get("expert", 1) == 1 else spec.moe_ep_all_to_all

@@ -70,7 +70,8 @@ EP = {"data": 2, "expert": 4, "tensor": 1}
                                               "cuda": ("megablox", True, None)}),
     # fp8: blocked on CPU and CUDA, ragged_dot elsewhere; a named blocked / ragged_dot / tiled stays (tiled -> blocked)
     ("auto", "fp8", ONE, "auto", 2048, 512, {"cpu": ("blocked", False, None), "cuda": ("blocked", False, None),
-                                             "tpu": ("ragged_dot", False, None), "default": ("ragged_dot", False, None)}),
+                                             "tpu": ("ragged_dot", False, None),
+                                             "default": ("ragged_dot", False, None)}),
     ("tiled", "fp8", ONE, "auto", 2048, 512, {p: ("blocked", False, None) for p in ("cpu", "tpu", "cuda")}),
     ("ragged_dot", "fp8", ONE, "auto", 2048, 512, {p: ("ragged_dot", False, None) for p in ("cpu", "tpu", "cuda")}),
 ])
