@@ -13,9 +13,9 @@ other). The softmax attention itself is `ling2.kernels.attention` with cfg.atten
 backend ("dot_product", "blocked", "cudnn", "flash"); with the sequence split over a context axis the
 latents are all-gathered and each device attends its own queries (`_attend_context`).
 Decoding (`ling2.layers.attention.decode`'s interface) keeps a latent KV cache (`MLACache`: normed c_kv
-and rotated k_rope per slot) and steps in the absorbed form: q_nope mapped into the latent space by kv_b's key half, scores and
-the weighted sum taken against the latents, then kv_b's value half (`MLA.absorbed`); writing
-past the cache's end turns the output into NaN.
+and rotated k_rope per slot) and steps in the absorbed form: q_nope mapped into the latent space by kv_b's
+key half, scores and the weighted sum taken against the latents, then kv_b's value half (`MLA.absorbed`);
+writing past the cache's end turns the output into NaN.
 """
 
 import jax

@@ -38,5 +38,6 @@ ATTENTION = {
     "gla": AttentionKind(specs.GLASpec, attention_gla.GatedLinearAttention, attention_gla.matmul_params,
                          attention_gla.mixing_flops, attention_gla.GLACache, attention_gla.hf_params),
     "kda": AttentionKind(specs.KDASpec, attention_kda.KimiDeltaAttention, attention_kda.matmul_params,
-                         attention_kda.mixing_flops, attention_kda.KDACache, attention_kda.hf_params, packed_prefill=False),
+                         attention_kda.mixing_flops, attention_kda.KDACache, attention_kda.hf_params,
+                         packed_prefill=False),
 }
