@@ -12,11 +12,12 @@ from ling2.checkpoint.state import load_state
 from ling2.layers.model import Ling2Model
 from ling2.train.state import trainable_filter
 from ling2.train.optim import make_optimizer
+from ling2.layers.spec import ModelSpec
 
 
 def test_trainer_step_dir_to_hf_and_back(tmp_path):
     cfg = load_config(model_name="ling2-tiny", base_num_decoder_layers=5, async_checkpointing=False)
-    model = nnx.eval_shape(lambda: Ling2Model(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0)))
     _, params, rest = nnx.split(model, trainable_filter(cfg), ...)
     rng = np.random.default_rng(0)
     params, rest = (jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype), t) for t in (params, rest))

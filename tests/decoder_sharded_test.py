@@ -7,7 +7,8 @@ import numpy as np
 from flax import nnx
 
 from ling2.config import load_config
-from ling2.layers import decoder, sharding
+from ling2.layers import decoder
+from ling2.layers.spec import ModelSpec
 from ling2.train import runtime
 
 # 4 layers, groups of 2 (GLA + MLA): layer 0 dense -> prefix [0, 2) unscanned, one scanned group [2, 4).
@@ -27,7 +28,7 @@ def loss_fn(m, ids_BT, pos, seg):
 def test_sharded_equals_single_device():
     assert jax.device_count() == 8
     cfg = load_config(**CFG)
-    model = decoder.Ling2Decoder(cfg, rngs=nnx.Rngs(0))
+    model = decoder.Ling2Decoder(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, 64, (4, 16)), jnp.int32)
     seg = jnp.asarray(np.repeat([[1] * 6 + [2] * 10], 4, 0))
@@ -36,14 +37,15 @@ def test_sharded_equals_single_device():
     (loss1, out1), g1 = step(model, ids, pos, seg)
 
     mesh = runtime.make_mesh(cfg)
-    gdef, state = nnx.split(model)
+    _, state = nnx.split(model)
+    gdef, _ = nnx.split(nnx.eval_shape(lambda: decoder.Ling2Decoder(ModelSpec.of(cfg, mesh), rngs=nnx.Rngs(0))))
     state = jax.device_put(state, runtime.state_shardings(state, mesh, cfg.logical_axis_rules))
     specs = {"/".join(map(str, k)): v[...].sharding.spec for k, v in nnx.to_flat_state(state)}
     P = jax.sharding.PartitionSpec
     assert specs["groups/layers/0/mlp/experts/gate_proj"] == P(None, "expert", "fsdp", "tensor")
     assert specs["prefix/0/attention/qkv"] == P("fsdp", None, "tensor", None)
     assert specs["embed/embedding"] == P("tensor", "fsdp")
-    with sharding.use_mesh(mesh, cfg.logical_axis_rules):
+    with jax.set_mesh(mesh):
         (loss8, out8), g8 = step(nnx.merge(gdef, state), ids, pos, seg)
 
     np.testing.assert_allclose(loss8, loss1, rtol=1e-5)

@@ -13,6 +13,7 @@ import pytest
 from ling2.checkpoint import merge as M
 from ling2.checkpoint.state import CheckpointError, load_state, model_leaves, save_state, flat
 from ling2.config import load_config
+from ling2.layers.spec import ModelSpec
 
 
 @pytest.mark.parametrize("shape,k,want", [
@@ -94,7 +95,8 @@ def test_merge_errors_are_named(run, tmp_path):
     other = load_config(model_name="ling2-micro", base_mlp_dim=96)
     from flax import nnx
     from ling2.layers.model import Ling2Model
-    save_state(tmp_path / "other", nnx.to_pure_dict(nnx.state(Ling2Model(other, rngs=nnx.Rngs(0)))), other)
+    other_model = Ling2Model(ModelSpec.of(other), rngs=nnx.Rngs(0))
+    save_state(tmp_path / "other", nnx.to_pure_dict(nnx.state(other_model)), other)
     with pytest.raises(CheckpointError, match="different models:\n  base_mlp_dim: 128 in .* 96 in"):
         M.merge([d / "checkpoints" / "3", tmp_path / "other"], [0.5, 0.5], tmp_path / "x", log=lambda s: None)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), JAX_PLATFORMS="cpu")
@@ -137,7 +139,7 @@ def test_training_logs_the_merged_eval_loss_and_trains_as_without(tmp_path):
     out = M.merge(M.step_dirs_of(tmp_path / "merged", [2, 3]), M.decay_coefficients("uniform", 2), tmp_path / "m",
                   log=lambda s: None)
     mesh = make_mesh(cfg, jax.devices()[:1])
-    model = Ling2Model(cfg, rngs=nnx.Rngs(0))
+    model = Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
     nnx.replace_by_pure_dict(state := nnx.state(model), load_state(out, cfg))
     gd, params, rest = nnx.split(nnx.merge(nnx.graphdef(model), state), nnx.Param, ...)
     ev = Evaluator(cfg, mesh, gd, make_iterator_factory(find_file))

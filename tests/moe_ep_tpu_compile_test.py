@@ -4,8 +4,6 @@ backward; the ragged exchange moves 1/n of the padded one's bytes (read from the
 `ling2.train.hlo_traffic`); a receive bound shrinks the temporaries. CPU equality of the ragged path's values
 and gradients: ling2/layers/moe/ep_test.py and ling2/train/context_parallel_test.py (emulated exchange)."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +22,8 @@ def compiled_ep(a2a: str, capacity: float = 0.0):
     from ling2.layers.moe import ep as moe_ep
     from ling2.layers.moe import plan as moe_plan
 
-    cfg = load_config(model_name="ling2-tiny", base_emb_dim=512, base_moe_mlp_dim=256, num_experts=16)
+    cfg = load_config(model_name="ling2-tiny", base_emb_dim=512, base_moe_mlp_dim=256, num_experts=16,
+                      moe_ep_all_to_all=a2a)
     devs = np.asarray(topology.devices("v5p-8")).reshape(1, 1, 4, 1, 1)
     mesh = Mesh(devs, ("data", "fsdp", "expert", "context", "tensor"))
     B, S, K, E = 8, 512, cfg.num_experts_per_tok, cfg.num_experts
@@ -34,7 +33,7 @@ def compiled_ep(a2a: str, capacity: float = 0.0):
             s((E, D, F), jnp.bfloat16, rows), s((E, D, F), jnp.bfloat16, rows), s((E, F, D), jnp.bfloat16, rows))
 
     def loss(x, e, g, wg, wu, wd):
-        plans = moe_plan.plans(dataclasses.replace(MoESpec.of(cfg), moe_ep_all_to_all=a2a), dict(mesh.shape),
+        plans = moe_plan.plans(MoESpec.of(cfg), dict(mesh.shape),
                                tokens=B * S, model_dim=D)
         y = moe_ep.dropless_ep(x, e, g, (wg, wu, wd), mesh=mesh, rules=cfg.logical_axis_rules, plans=plans,
                                capacity_factor=capacity)

@@ -17,6 +17,7 @@ from ling2.layers.attention import registry
 from ling2.train import step as step_lib
 from ling2.train.optim import make_optimizer
 from ling2.train.state import TrainState, trainable_filter
+from ling2.layers.spec import ModelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,16 +44,16 @@ class CausalMean(nnx.Module):
 def test_a_new_kind_in_one_module_and_one_entry_trains(monkeypatch):
     monkeypatch.setitem(kinds.KINDS, "mean", kinds.KindConfig(role="linear", fields=(), free_on_resume=()))
     monkeypatch.setitem(registry.ATTENTION, "mean", registry.AttentionKind(
-        MeanSpec, CausalMean, matmul_params=lambda cfg: 2 * cfg.base_emb_dim ** 2,
-        mixing_flops=lambda cfg, seq_len: 2 * cfg.base_emb_dim, cache=type(None), hf_params=lambda layout: [],
+        MeanSpec, CausalMean, matmul_params=lambda spec: 2 * spec.emb_dim ** 2,
+        mixing_flops=lambda spec, seq_len: 2 * spec.emb_dim, cache=type(None), hf_params=lambda layout: [],
         packed_prefill=False))
     cfg = load_config(model_name="ling2-micro", linear_attention_type="mean", mtp_num_layers=0, vocab_size=128,
                       max_target_length=16, warmup_steps_fraction=0.0, lr_schedule="constant", learning_rate=3e-3,
                       gradient_clipping_threshold=0.0)
     assert "mean" in cfg.layer_types and kinds.FULL in cfg.layer_types
-    model = model_lib.Ling2Model(cfg, rngs=nnx.Rngs(0))
+    model = model_lib.Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
     assert any(isinstance(m, CausalMean) for _, m in nnx.iter_graph(model))
-    assert model_lib.training_flops_per_token(cfg) > 0
+    assert model_lib.training_flops_per_token(ModelSpec.of(cfg), 16) > 0
 
     gd, params, rest = nnx.split(model, trainable_filter(cfg), ...)
     tx, sched = make_optimizer(cfg, params)

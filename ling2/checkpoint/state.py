@@ -28,7 +28,7 @@ from ling2.checkpoint.safetensors_io import INDEX_NAME, PlannedWriter, Safetenso
 from ling2.config import ConfigError, load_config, to_yaml
 from ling2.config.loader import load_yaml, without_removed
 from ling2.layers.model import abstract_model
-from ling2.layers.plan import layer_plan
+from ling2.layers.spec import ModelSpec
 
 CONFIG_NAME = "config.yml"
 STATE_NAME = "state"
@@ -78,8 +78,8 @@ def key(path) -> str:
 
 
 def model_leaves(cfg) -> dict:
-    """{key path: Leaf(shape, dtype)} of every Variable of Ling2Model(cfg), in nnx's order."""
-    leaves = flat(nnx.to_pure_dict(nnx.state(abstract_model(cfg))))
+    """{key path: Leaf(shape, dtype)} of every Variable of the Ling2Model of `cfg`, in nnx's order."""
+    leaves = flat(nnx.to_pure_dict(nnx.state(abstract_model(ModelSpec.of(cfg)))))
     return {p: Leaf(tuple(v.shape), np.dtype(v.dtype)) for p, v in leaves.items()}
 
 
@@ -142,9 +142,9 @@ def relayout(state: dict, cfg_from, cfg_to) -> dict:
     leaves = model_leaves(cfg_to)
     dst = {p: np.empty(v.shape, v.dtype) for p, v in leaves.items()}
     dst_by_str = {tuple(map(str, p)): p for p in dst}
-    to_specs = {s.index: s for s in layer_plan(cfg_to).all()}
+    to_specs = {s.index: s for s in ModelSpec.of(cfg_to).plan.all()}
     moved = set()
-    for s in layer_plan(cfg_from).all():
+    for s in ModelSpec.of(cfg_from).plan.all():
         t = to_specs[s.index]
         head = tuple(map(str, s.path))
         for p, v in src.items():

@@ -27,6 +27,7 @@ from ling2.checkpoint.state import (CONFIG_NAME, CheckpointError, STATE_NAME, ch
 from ling2.config import ConfigError
 from ling2.convert import hf_config, mapping
 from ling2.layers.mtp import MTP
+from ling2.layers.spec import ModelSpec
 
 
 class ConversionError(ValueError):
@@ -135,7 +136,7 @@ def _hf_to_sink(reader, cfg, layout, sink, allow_missing_mtp, progress, plan=Non
         leaf = leaves[e.path]
         sink.add(key(e.path), mapping.to_ling2(e, reader.read(name, copy=False), leaf.shape), e.index)
     if skip_mtp:
-        mtp = nnx.jit(lambda: MTP(cfg, rngs=nnx.Rngs(cfg.seed)))()  # one compile, not one per op
+        mtp = nnx.jit(lambda: MTP(ModelSpec.of(cfg), rngs=nnx.Rngs(cfg.seed)))()  # one compile, not one per op
         for p, v in flat(nnx.to_pure_dict(nnx.state(mtp))).items():
             sink.add(key(("mtp",) + p), np.asarray(v))
 

@@ -17,6 +17,7 @@ from ling2.convert import convert
 from ling2.checkpoint.safetensors_io import ShardedReader
 from ling2.checkpoint.state import load_into
 from ling2.layers.model import Ling2Model
+from ling2.layers.spec import ModelSpec
 
 B, T = 2, 12
 
@@ -60,7 +61,7 @@ def test_deepseek_v3_logit_parity_and_reverse(tmp_path, q_lora_rank, rope_scalin
     assert cfg.q_lora_rank == (q_lora_rank or 0)
     assert cfg.rope_type == ("yarn" if rope_scaling else "default")
     assert cfg.sigmoid_renormalize == norm_topk_prob
-    model = nnx.eval_shape(lambda: Ling2Model(cfg, rngs=nnx.Rngs(1)))
+    model = nnx.eval_shape(lambda: Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(1)))
     load_into(model, tmp_path / "l2", cfg)
 
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T))

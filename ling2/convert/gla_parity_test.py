@@ -19,6 +19,7 @@ from ling2.convert import convert
 from ling2.convert.testing.hf_fixtures import write_random_hf
 from ling2.checkpoint.state import load_into
 from ling2.layers.model import Ling2Model
+from ling2.layers.spec import ModelSpec
 
 
 def rms(x, w, eps):
@@ -69,7 +70,7 @@ def test_converted_gla_layer_matches_numpy_reference(tmp_path, scan):
     write_random_hf(tmp_path / "hf", cfg, extra=w, seed=3)
     cfg = convert.convert_hf_to_ling2(tmp_path / "hf", tmp_path / "l2", scan_layers=scan, progress=False,
                                       overrides=["dtype=float32", "gla_backend=naive"])
-    model = nnx.eval_shape(lambda: Ling2Model(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0)))
     load_into(model, tmp_path / "l2", cfg)
     layers = dict(model.decoder.unstacked())
     x = np.random.default_rng(1).standard_normal((2, 9, cfg.base_emb_dim)).astype(np.float32)

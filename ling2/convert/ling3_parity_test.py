@@ -24,6 +24,7 @@ from ling2.checkpoint.state import load_into
 from ling2.convert import convert, hf_config
 from ling2.infer.generation import generate
 from ling2.layers.model import Ling2Model
+from ling2.layers.spec import ModelSpec
 
 pytestmark = pytest.mark.skipif(not hasattr(transformers, "BailingHybridForCausalLM"),
                                 reason=f"transformers {transformers.__version__} has no bailing_hybrid (needs 5.x)")
@@ -61,7 +62,7 @@ def _converted(tmp_path, hf):
     assert hf_config.detect_layout(saved) == "bailing_hybrid"
     cfg = convert.convert_hf_to_ling2(tmp_path / "hf", tmp_path / "l2", progress=False,
                                       overrides=["dtype=float32", "kda_backend=chunked"])
-    model = nnx.eval_shape(lambda: Ling2Model(cfg, rngs=nnx.Rngs(1)))
+    model = nnx.eval_shape(lambda: Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(1)))
     load_into(model, tmp_path / "l2", cfg)
     return cfg, model
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ling2.layers.attention.registry import ATTENTION
-from ling2.layers.plan import layer_plan
+from ling2.layers.spec import ModelSpec
 
 
 class Entry(NamedTuple):
@@ -100,7 +100,7 @@ def entries(cfg, layout: str, leaves: dict) -> list[Entry]:
     emb = "model.word_embeddings.weight" if bailing else "model.embed_tokens.weight"
     al = ("model.embed_tokens.weight",) if bailing else ("model.word_embeddings.weight",)
     out = [Entry(emb, ("decoder", "embed", "embedding"), (), 0, al)]
-    plan = layer_plan(cfg)
+    plan = ModelSpec.of(cfg).plan
     for s in plan.layers:
         out += _block(layout, s.attn, s.mlp, cfg, f"model.layers.{s.index}.", s.path, s.stack, False)
     for s in plan.mtp:

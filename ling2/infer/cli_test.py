@@ -21,6 +21,7 @@ from ling2.infer.load import find_file, load_model
 from ling2.infer.testing.models import LING3_MICRO, MICRO
 from ling2.layers.model import Ling2Model
 from ling2.train.state import trainable_filter
+from ling2.layers.spec import ModelSpec
 
 DATA = "data/sample/sample_text_document"
 TOKENIZER = "data/sample/tokenizer.json"
@@ -40,7 +41,7 @@ def ckpts(tmp_path_factory):
     cfg = load_config(MICRO, dataset_type="mmap", data_path=DATA, tokenizer_path=TOKENIZER, data_split="90,10,0",
                       max_target_length=32, per_device_batch_size=2, steps=10, eval_interval=5, eval_steps=2,
                       async_checkpointing=False)
-    model = Ling2Model(cfg, rngs=nnx.Rngs(5))
+    model = Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(5))
     _, params, rest = nnx.split(model, trainable_filter(cfg), ...)
     zero = np.zeros((), np.int32)
     ckpt = Checkpointer(tmp / "run" / "checkpoints", cfg)

@@ -25,6 +25,7 @@ from ling2.train.data import make_iterator_factory
 from ling2.train.eval import Evaluator
 from ling2.train.runtime import make_mesh
 from ling2.train.state import trainable_filter
+from ling2.layers.spec import ModelSpec
 
 DATA = "data/sample/sample_text_document"
 
@@ -33,7 +34,7 @@ DATA = "data/sample/sample_text_document"
 def setup():
     cfg = load_config(MICRO, dataset_type="mmap", data_path=DATA, data_split="90,10,0", max_target_length=32,
                       per_device_batch_size=2, gradient_accumulation_steps=2, steps=20, eval_interval=10, eval_steps=3)
-    return cfg, Ling2Model(cfg, rngs=nnx.Rngs(1))
+    return cfg, Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(1))
 
 
 def test_loss_equals_the_trainers_eval_loss(setup):

@@ -17,6 +17,7 @@ from ling2.infer.generation import Generator, InferError
 from ling2.infer.load import INFER_OVERRIDES
 from ling2.infer.testing.models import greedy_by_full_forward, oracle_drafts, prompts
 from ling2.layers.model import Ling2Model
+from ling2.layers.spec import ModelSpec
 
 N = 9
 LENGTHS = (6, 2, 21)
@@ -28,7 +29,7 @@ def ling3():
     cfg = load_config({"model_name": "ling3-tiny", "init_std": 0.1, "base_num_decoder_layers": 3,
                        "inhomogeneous_layer_cycle_interval": 2}, INFER_OVERRIDES)
     assert cfg.layer_types == ("kda", "mla", "kda")
-    model = Ling2Model(cfg, rngs=nnx.Rngs(0))
+    model = Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
     g = Generator(model)
     ps = prompts(cfg.vocab_size, LENGTHS)
     return model, g, ps, g.generate(ps, N)

@@ -31,6 +31,7 @@ from ling2.config import ConfigError, load_config
 from ling2.config.paths import user_path
 from ling2.convert import convert, hf_config
 from ling2.layers.model import Ling2Model
+from ling2.layers.spec import ModelSpec
 
 REPO = Path(os.path.abspath(__file__)).parents[2]  # the runfiles tree under Bazel
 
@@ -129,7 +130,7 @@ def step_config(step_dir: Path):
 
 
 def _model(cfg, state: dict) -> Ling2Model:
-    model = nnx.eval_shape(lambda: Ling2Model(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0)))
     graph_state = nnx.state(model)
     nnx.replace_by_pure_dict(graph_state, jax.tree.map(jnp.asarray, state))
     nnx.update(model, graph_state)

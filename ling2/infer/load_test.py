@@ -20,13 +20,14 @@ from ling2.infer.testing.models import LING3_MICRO, MICRO
 from ling2.layers.model import Ling2Model
 from ling2.train.optim import make_optimizer
 from ling2.train.state import trainable_filter
+from ling2.layers.spec import ModelSpec
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ckpts")
     cfg = load_config(MICRO, base_num_decoder_layers=4, scan_layers=True, async_checkpointing=False)
-    model = Ling2Model(cfg, rngs=nnx.Rngs(3))
+    model = Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(3))
     _, params, rest = nnx.split(model, trainable_filter(cfg), ...)
     tx, _ = make_optimizer(cfg, params)
     zero = np.zeros((), np.int32)

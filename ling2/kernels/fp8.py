@@ -47,9 +47,9 @@ class Fp8:
             raise ValueError(f"fp8_scaling: unknown scaling {self.scaling!r} (one of {SCALINGS})")
 
 
-def of(spec) -> Fp8 | None:
-    """The spec's FP8 setting (any WeightsSpec), or None when its matmuls run in `dtype`."""
-    return Fp8(spec.fp8_scaling) if spec.quantization == "fp8" else None
+def of(run) -> Fp8 | None:
+    """The run's FP8 setting (a RunSpec: its quantization and fp8_scaling), or None when matmuls run in `dtype`."""
+    return Fp8(run.fp8_scaling) if run.quantization == "fp8" else None
 
 
 def _fmax(fmt) -> float:

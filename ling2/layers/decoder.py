@@ -1,7 +1,8 @@
 """The Ling2 decoder stack: embed -> layers -> final RMSNorm -> untied lm_head.
 
-Each layer is pre-norm: x += attn(norm(x)); x += mlp(norm(x)), its attention and MLP kinds
-and its place in the state given by the layer plan (`ling2.layers.plan`). Attention
+Built from a `ModelSpec` (`ling2.layers.spec`). Each layer is pre-norm: x += attn(norm(x));
+x += mlp(norm(x)), its attention and MLP kinds and its place in the state given by the layer plan
+(`ling2.layers.plan`). Attention
 modules are looked up by kind in `ling2.layers.attention.registry.ATTENTION`. Calling the decoder is the training forward;
 `init_cache` / `decode` / `accept` / `unpack` are cached decoding (`ling2.layers.attention.decode`).
 
@@ -9,7 +10,7 @@ The layers sit in a `LayerStack` (`ling2.layers.stack`): with `scan_layers`, the
 groups keep their parameters stacked on a leading "layers" axis and run under one `lax.scan`,
 the rest one by one, all through one call path that gives each layer its global index. Layers
 are built in index order in both modes, so one seed gives the same weights scanned or not.
-`remat_policy`: none, full (recompute all), save_dot (keep the outputs of weight matmuls,
+`run.remat_policy`: none, full (recompute all), save_dot (keep the outputs of weight matmuls,
 recompute the rest).
 """
 
@@ -19,15 +20,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ling2.config.specs import EmbedSpec, MoESpec, WeightsSpec
 from ling2.layers.attention import decode as decode_lib
 from ling2.layers import losses, norms
 from ling2.layers.attention.registry import ATTENTION
 from ling2.layers.embed import Embed, LMHead
 from ling2.layers.moe.layer import MoE
 from ling2.layers.moe.experts import Mlp
-from ling2.layers.plan import LayerSpec, layer_plan
+from ling2.layers.plan import LayerSpec
 from ling2.layers.sharding import constrain, dim_shards
+from ling2.layers.spec import LayerSpecs, ModelSpec
 from ling2.layers.stack import LayerStack
 
 ACT = ("activation_batch", "activation_length", "activation_embed")
@@ -35,23 +36,10 @@ MODES = ("prefill", "step")  # cached decoding (ling2.layers.attention.decode)
 
 
 class DecoderOutput(NamedTuple):
-    logits: Optional[jax.Array]  # [B, T, V], fp32 when cfg.float32_logits; None when not asked for
+    logits: Optional[jax.Array]  # [B, T, V], fp32 when float32_logits; None when not asked for
     hidden_pre_norm: jax.Array  # [B, T, E], last layer output
     hidden: jax.Array  # [B, T, E], after the final norm (what MTP and the lm_head consume)
     moe_aux: dict  # {layer index: MoEAux} for every MoE layer
-
-
-class LayerSpecs(NamedTuple):
-    """What a decoder layer's modules take (`ling2.config.specs`), derived once per stack (the decoder's, MTP's)."""
-    weights: WeightsSpec
-    attention: dict  # attention kind -> its spec
-    moe: MoESpec
-    mlp_dim: int  # width of the dense MLP
-
-    @classmethod
-    def of(cls, cfg) -> "LayerSpecs":
-        kinds = {kind: entry.spec.of(cfg) for kind, entry in ATTENTION.items()}
-        return cls(WeightsSpec.of(cfg), kinds, MoESpec.of(cfg), cfg.base_mlp_dim)
 
 
 class DecoderLayer(nnx.Module):
@@ -60,11 +48,11 @@ class DecoderLayer(nnx.Module):
     def __init__(self, specs: LayerSpecs, layer: LayerSpec, *, rngs: nnx.Rngs):
         w = specs.weights
         eps, wdt = w.normalization_layer_epsilon, jnp.dtype(w.weight_dtype)
-        self.attn_type, self.mlp_type = layer.attn, layer.mlp
+        self.attn_type, self.mlp_type, self.run = layer.attn, layer.mlp, w.run
         self.input_norm = norms.RMSNorm(w.emb_dim, eps=eps, param_dtype=wdt)
         if layer.attn not in ATTENTION:
             raise ValueError(f"layer {layer.index}: unknown attention type {layer.attn!r} (known: {sorted(ATTENTION)})")
-        self.attention = ATTENTION[layer.attn].module(specs.attention[layer.attn], rngs=rngs)
+        self.attention = ATTENTION[layer.attn].module(specs.attention_spec(layer.attn), rngs=rngs)
         self.post_attention_norm = norms.RMSNorm(w.emb_dim, eps=eps, param_dtype=wdt)
         if layer.mlp == "dense":
             self.mlp = Mlp(w, specs.mlp_dim, rngs=rngs)
@@ -76,13 +64,13 @@ class DecoderLayer(nnx.Module):
     def _block(self, x_BTE, attend, valid_BT):
         """x + attend(norm(x)), then the MLP: (x [B,T,E], MoEAux or None)."""
         a = attend(self.input_norm(x_BTE))
-        h = constrain(x_BTE + a.astype(x_BTE.dtype), ACT)
+        h = constrain(x_BTE + a.astype(x_BTE.dtype), ACT, self.run)
         aux = None
         if self.mlp_type == "moe":
             y, aux = self.mlp(self.post_attention_norm(h), valid_BT)
         else:
             y = self.mlp(self.post_attention_norm(h))
-        return constrain(h + y.astype(h.dtype), ACT), aux
+        return constrain(h + y.astype(h.dtype), ACT, self.run), aux
 
     def __call__(self, x_BTE, positions_BT, segment_ids_BT, valid_BT=None, *, layer_index):
         """Training forward: (x [B,T,E], MoEAux or None). `layer_index`: the global index (traced in a
@@ -111,7 +99,7 @@ class DecoderLayer(nnx.Module):
 
 
 def remat(fn, policy: str):
-    """Wraps fn in jax.checkpoint by cfg.remat_policy."""
+    """Wraps fn in jax.checkpoint by run.remat_policy."""
     if policy == "none":
         return fn
     if policy == "full":
@@ -124,19 +112,16 @@ def remat(fn, policy: str):
 class Ling2Decoder(LayerStack):
     """Ling2 decoder. Call with ids [B,T], optional positions / segment_ids / valid [B,T]."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        plan = layer_plan(cfg)
-        self.remat_policy = cfg.remat_policy
-        specs, embed = LayerSpecs.of(cfg), EmbedSpec.of(cfg)
-        self.embed = Embed(embed, rngs=rngs)
-        self.init_layers(plan, [DecoderLayer(specs, layer, rngs=rngs) for layer in plan.layers])
-        w = specs.weights
+    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
+        self.run = spec.run
+        self.embed = Embed(spec.embed, rngs=rngs)
+        self.init_layers(spec.plan, [DecoderLayer(spec.layers, layer, rngs=rngs) for layer in spec.plan.layers])
+        w = spec.layers.weights
         self.final_norm = norms.RMSNorm(w.emb_dim, eps=w.normalization_layer_epsilon,
                                         param_dtype=jnp.dtype(w.weight_dtype))
-        self.tied = cfg.logits_via_embedding
-        self.logits_dtype = "float32" if cfg.float32_logits else cfg.dtype
-        self.lm_head = None if self.tied else LMHead(embed, rngs=rngs)
-        self.loss_vocab_blocks, self.dtype, self.vocab_size = cfg.loss_vocab_blocks, cfg.dtype, cfg.vocab_size
+        self.tied, self.logits_dtype = spec.tied, spec.logits_dtype
+        self.lm_head = None if self.tied else LMHead(spec.embed, rngs=rngs)
+        self.dtype, self.vocab_size = spec.dtype, spec.vocab_size
 
     def _run(self, layer, layer_index, x, positions, segment_ids, valid):
         """Applies a layer functionally, under the remat policy (each layer under its own, scanned or not: the
@@ -147,8 +132,8 @@ class Ling2Decoder(LayerStack):
             return nnx.merge(gdef, state)(x, positions, segment_ids, valid, layer_index=layer_index)
 
         if isinstance(layer_index, int):  # a constant, not an argument jax.checkpoint would trace
-            return remat(lambda state, x: f(state, x, layer_index), self.remat_policy)(state, x)
-        return remat(f, self.remat_policy)(state, x, layer_index)
+            return remat(lambda state, x: f(state, x, layer_index), self.run.remat_policy)(state, x)
+        return remat(f, self.run.remat_policy)(state, x, layer_index)
 
     def init_cache(self, batch: int, max_len: int) -> decode_lib.DecoderCache:
         """An empty decode cache of `max_len` slots per row (`ling2.layers.attention.decode`), with every layer's own."""
@@ -196,15 +181,15 @@ class Ling2Decoder(LayerStack):
 
     def ce_sums(self, hidden_BTE, targets_BT, weights_BT):
         """(CE sum, weight sum, argmax-hit sum) of the output head over final-normed hidden states. With
-        cfg.loss_vocab_blocks > 0 the [B,T,V] logits are never held (`losses.head_cross_entropy_sums`);
+        run.loss_vocab_blocks > 0 the [B,T,V] logits are never held (`losses.head_cross_entropy_sums`);
         with 0 they are the `logits` of this module."""
-        if not self.loss_vocab_blocks:
+        if not self.run.loss_vocab_blocks:
             return losses.cross_entropy_sums(self.logits(hidden_BTE), targets_BT, weights_BT)
         kernel = self.embed.embedding[...] if self.tied else self.lm_head.kernel[...]
         return losses.head_cross_entropy_sums(
-            hidden_BTE, kernel, targets_BT, weights_BT, num_blocks=self.loss_vocab_blocks,
-            vocab_shards=dim_shards("vocab", self.vocab_size), compute_dtype=self.dtype,
-            logits_dtype=self.logits_dtype, tied=self.tied)
+            hidden_BTE, kernel, targets_BT, weights_BT, num_blocks=self.run.loss_vocab_blocks,
+            vocab_shards=dim_shards(self.run, "vocab", self.vocab_size), compute_dtype=self.dtype,
+            logits_dtype=self.logits_dtype, tied=self.tied, run=self.run)
 
     def _head(self, x, aux, return_logits: bool = True) -> DecoderOutput:
         moe_aux = {i: a for i, a in sorted(aux.items()) if a is not None}

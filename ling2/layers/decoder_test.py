@@ -11,8 +11,10 @@ from flax import nnx
 
 from ling2.config import load_config
 from ling2.layers import decoder
+from ling2.config.specs import PlanSpec
 from ling2.layers.plan import layer_plan, scan_layout
 from ling2.config.specs import GLASpec
+from ling2.layers.spec import ModelSpec
 
 # 7 layers in groups of 2 (GLA + MLA): layer 0 dense -> prefix [0, 2), scanned groups
 # [2, 4) and [4, 6), suffix [6] (a trailing partial group, MLA).
@@ -48,7 +50,7 @@ GRAD = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True))
 def by_layer(state, cfg):
     """Flat {('layers', i, ...): array} from an unrolled or a scanned model's state."""
     out = {}
-    p, n, k = scan_layout(cfg)
+    p, n, k = scan_layout(PlanSpec.of(cfg))
     for path, v in nnx.to_flat_state(state):
         v = np.asarray(v[...] if hasattr(v, "get_metadata") else v)
         if path[0] == "layers":
@@ -68,16 +70,16 @@ def by_layer(state, cfg):
 def test_scan_plan_and_layer_types():
     cfg = small()
     assert cfg.layer_types == ("gla", "mla") * 3 + ("mla",)
-    assert scan_layout(cfg) == (2, 2, 2)
-    assert scan_layout(small(first_num_dense_layers=0)) == (0, 3, 2)
-    assert scan_layout(small(first_num_dense_layers=3)) == (4, 1, 2)
+    assert scan_layout(PlanSpec.of(cfg)) == (2, 2, 2)
+    assert scan_layout(PlanSpec.of(small(first_num_dense_layers=0))) == (0, 3, 2)
+    assert scan_layout(PlanSpec.of(small(first_num_dense_layers=3))) == (4, 1, 2)
     ling2 = load_config(model_name="ling2")
-    assert scan_layout(ling2) == (5, 3, 5)  # layer 0 dense -> its group unscanned
+    assert scan_layout(PlanSpec.of(ling2)) == (5, 3, 5)  # layer 0 dense -> its group unscanned
 
 
 def test_layer_plan_places_every_layer():
     """Hand-written plan of SMALL scanned: prefix [0, 2), groups of 2 at [2, 6), suffix [6]."""
-    plan = layer_plan(small(scan_layers=True, mtp_num_layers=1))
+    plan = ModelSpec.of(small(scan_layers=True, mtp_num_layers=1)).plan
     got = [(s.index, s.attn, s.mlp, s.path, s.stack) for s in plan.all()]
     assert got == [(0, "gla", "dense", ("decoder", "prefix", 0), ()), (1, "mla", "moe", ("decoder", "prefix", 1), ()),
                    (2, "gla", "moe", ("decoder", "groups", "layers", 0), (0,)),
@@ -86,12 +88,12 @@ def test_layer_plan_places_every_layer():
                    (5, "mla", "moe", ("decoder", "groups", "layers", 1), (1,)),
                    (6, "mla", "moe", ("decoder", "suffix", 0), ()),
                    (7, "mla", "moe", ("mtp", "depths", 0, "layer"), ())]
-    flat = layer_plan(small(mtp_num_layers=0))
+    flat = ModelSpec.of(small(mtp_num_layers=0)).plan
     assert [s.path for s in flat.all()] == [("decoder", "layers", i) for i in range(7)] and not flat.scan
     with pytest.raises(ValueError, match="one pattern"):  # scanned groups must repeat one layer pattern
-        layer_plan(types.SimpleNamespace(base_num_decoder_layers=4, inhomogeneous_layer_cycle_interval=2,
+        layer_plan(types.SimpleNamespace(num_decoder_layers=4, inhomogeneous_layer_cycle_interval=2,
                                          first_num_dense_layers=0, layer_types=("gla", "mla", "mla", "gla"),
-                                         mlp_types=("moe",) * 4, scan_layers=True, mtp_num_layers=0))
+                                         mlp_types=("moe",) * 4, mtp_num_layers=0), scan=True)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +101,7 @@ def both():
     # 5 MoE layers: scanned groups [0, 2), [2, 4) and suffix [4]; remat must not change grads.
     kw = dict(base_num_decoder_layers=5, first_num_dense_layers=0)
     cfgs = {False: small(**kw), True: small(scan_layers=True, remat_policy="full", **kw)}
-    models = {s: decoder.Ling2Decoder(c, rngs=nnx.Rngs(0)) for s, c in cfgs.items()}
+    models = {s: decoder.Ling2Decoder(ModelSpec.of(c), rngs=nnx.Rngs(0)) for s, c in cfgs.items()}
     return cfgs, models, {s: GRAD(m, ROWS, POS, SEG) for s, m in models.items()}
 
 
@@ -167,7 +169,7 @@ def test_remat_policies_same_grads():
     res = {}
     for policy in ("none", "full", "save_dot"):
         cfg = small(remat_policy=policy, base_num_decoder_layers=2, first_num_dense_layers=2)
-        m = decoder.Ling2Decoder(cfg, rngs=nnx.Rngs(0))
+        m = decoder.Ling2Decoder(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
         (loss, _), g = GRAD(m, ROWS, POS, SEG)
         res[policy] = loss, by_layer(g, cfg)
         gdef, st = nnx.split(m)
@@ -206,7 +208,7 @@ def test_bf16_forward_finite_and_close():
     for kw, typical in ((dict(first_num_dense_layers=2), np.mean), (dict(first_num_dense_layers=1), np.median)):
         out = {}
         for dt in ("float32", "bfloat16"):
-            m = decoder.Ling2Decoder(small(dtype=dt, base_num_decoder_layers=2, **kw), rngs=nnx.Rngs(0))
+            m = decoder.Ling2Decoder(ModelSpec.of(small(dtype=dt, base_num_decoder_layers=2, **kw)), rngs=nnx.Rngs(0))
             out[dt] = np.asarray(nnx.jit(lambda m, x: m(x).logits)(m, x), np.float32)
         assert np.isfinite(out["bfloat16"]).all()
         err_tok = np.mean((out["bfloat16"] - out["float32"]) ** 2, -1) / np.mean(out["float32"] ** 2)

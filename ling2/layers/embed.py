@@ -43,11 +43,11 @@ class Embed(nnx.Module):
         init = nnx.initializers.normal(spec.init_std)
         self.embedding = nnx.Param(init(rngs.params(), (spec.vocab_size, spec.emb_dim), jnp.dtype(spec.weight_dtype)),
                                    out_sharding=("vocab", "embed"), eager_sharding=False)
-        self.dtype = spec.dtype
+        self.dtype, self.run = spec.dtype, spec.run
 
     def __call__(self, ids_BT):
         x_BTE = jnp.take(self.embedding[...], ids_BT, axis=0).astype(jnp.dtype(self.dtype))
-        return constrain(x_BTE, ("activation_batch", "activation_length", "activation_embed"))
+        return constrain(x_BTE, ("activation_batch", "activation_length", "activation_embed"), self.run)
 
     def attend(self, x_BTE, out_dtype):
         """Tied output logits x @ embedding^T [B, T, V]."""
@@ -62,10 +62,10 @@ class LMHead(nnx.Module):
         init = nnx.initializers.normal(spec.init_std)
         self.kernel = nnx.Param(init(rngs.params(), (spec.emb_dim, spec.vocab_size), jnp.dtype(spec.weight_dtype)),
                                 out_sharding=("embed", "vocab"), eager_sharding=False)
-        self.dtype = spec.dtype
+        self.dtype, self.run = spec.dtype, spec.run
         self.out_dtype = "float32" if spec.float32_logits else spec.dtype
 
     def __call__(self, x_BTE):
         w = self.kernel[...].astype(jnp.dtype(self.dtype))
         logits = logits_einsum("bte,ev->btv", x_BTE.astype(w.dtype), w, jnp.dtype(self.out_dtype))
-        return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
+        return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"), self.run)

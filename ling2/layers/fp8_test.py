@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from ling2.kernels import fp8
+from ling2.layers.spec import ModelSpec
 
 E4, E5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 
@@ -160,7 +161,7 @@ def test_model_with_fp8_trains_its_projections_and_experts_in_fp8():
 
     def loss_of(**kw):
         cfg = loader.load_config(model_name="ling2-micro", dtype="float32", **kw)
-        model = Ling2Model(cfg, rngs=nnx.Rngs(0))
+        model = Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
         ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 32)), jnp.int32)
 
         def loss(m):

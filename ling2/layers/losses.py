@@ -40,16 +40,22 @@ def cross_entropy_sums(logits_BTV, targets_BT, weights_BT):
     return jnp.sum((lse - tgt) * w), jnp.sum(w), jnp.sum(hits * w)
 
 
-def head_logits(hidden_BTE, kernel, *, compute_dtype=None, logits_dtype=F32, tied=False):
-    """Full logits [B, T, V] as LMHead (kernel [E, V]) or Embed.attend (tied: embedding [V, E]) make them."""
+def _constrain(logits, run):
+    return logits if run is None else constrain(logits, _LOGITS_NAMES, run)
+
+
+def head_logits(hidden_BTE, kernel, *, compute_dtype=None, logits_dtype=F32, tied=False, run=None):
+    """Full logits [B, T, V] as LMHead (kernel [E, V]) or Embed.attend (tied: embedding [V, E]) make them;
+    `run` (a RunSpec) shards them on its mesh."""
     cd = jnp.dtype(compute_dtype or hidden_BTE.dtype)
     spec = "bte,ve->btv" if tied else "bte,ev->btv"
     logits = logits_einsum(spec, hidden_BTE.astype(cd), kernel.astype(cd), jnp.dtype(logits_dtype))
-    return constrain(logits, _LOGITS_NAMES)
+    return _constrain(logits, run)
 
 
 def head_cross_entropy_sums(hidden_BTE, kernel, targets_BT, weights_BT, *, num_blocks: int = 16,
-                            vocab_shards: int = 1, compute_dtype=None, logits_dtype=F32, tied: bool = False):
+                            vocab_shards: int = 1, compute_dtype=None, logits_dtype=F32, tied: bool = False,
+                            run=None):
     """`cross_entropy_sums(head_logits(hidden, kernel, ...), targets, weights)` without the [B, T, V] logits.
 
     hidden_BTE: final (normed) hidden states [B, T, E].
@@ -62,6 +68,7 @@ def head_cross_entropy_sums(hidden_BTE, kernel, targets_BT, weights_BT, *, num_b
       keeps every weight on its device.
     compute_dtype: dtype both matmul operands are cast to (cfg.dtype; default hidden's dtype);
     logits_dtype: the matmul's output dtype (fp32 with cfg.float32_logits), as in LMHead.
+    run: the RunSpec whose mesh each block's logits are sharded on (None: no constraint).
 
     Returns (sum of weighted CE, sum of weights, sum of weighted argmax hits), fp32 scalars;
     the argmax takes the first (lowest) id among equal maxima, like jnp.argmax. Differentiable
@@ -86,9 +93,10 @@ def head_cross_entropy_sums(hidden_BTE, kernel, targets_BT, weights_BT, *, num_b
     cd = jnp.dtype(compute_dtype or hidden_BTE.dtype)
     ld = jnp.dtype(logits_dtype)
     if num_blocks == 0:
-        logits = head_logits(hidden_BTE, kernel, compute_dtype=cd, logits_dtype=ld, tied=tied)
+        logits = head_logits(hidden_BTE, kernel, compute_dtype=cd, logits_dtype=ld, tied=tied, run=run)
         return cross_entropy_sums(logits, targets_BT, weights_BT)
-    return _blocked(hidden_BTE, kernel, targets_BT, weights_BT, _Plan.make(V, vocab_shards, num_blocks, tied), cd, ld)
+    plan = _Plan.make(V, vocab_shards, num_blocks, tied, run)
+    return _blocked(hidden_BTE, kernel, targets_BT, weights_BT, plan, cd, ld)
 
 
 class _Plan(NamedTuple):
@@ -99,14 +107,15 @@ class _Plan(NamedTuple):
     c: int
     n: int
     tied: bool
+    run: object  # RunSpec or None
 
     @classmethod
-    def make(cls, V, P, num_blocks, tied):
+    def make(cls, V, P, num_blocks, tied, run=None):
         S = V // P
         c = -(-S // num_blocks)
         if c > _TILE:
             c = min(-(-c // _TILE) * _TILE, S)
-        return cls(V, P, S, c, -(-S // c), tied)
+        return cls(V, P, S, c, -(-S // c), tied, run)
 
     @property
     def axis(self):
@@ -141,7 +150,7 @@ class _Plan(NamedTuple):
 def _block_logits(x_BTE, w, new, plan, ld):
     """fp32 logits [B, T, P*c] of one block, -inf where an earlier block counted the id; x, w in compute dtype."""
     z = jnp.einsum("bte,ce->btc" if plan.tied else "bte,ec->btc", x_BTE, w, preferred_element_type=ld)
-    z = constrain(z, _LOGITS_NAMES).astype(F32)
+    z = _constrain(z, plan.run).astype(F32)
     return jnp.where(new, z, -jnp.inf) if plan.overlaps else z
 
 
@@ -204,7 +213,7 @@ def _blocked_bwd(plan, cd, ld, res, g):
         w = plan.block(kv, j).astype(cd)
         z = _block_logits(x, w, new, plan, ld)
         dz = (jnp.exp(z - lse[..., None]) - ((ids == tgt_ids[..., None]) & new)) * scale[..., None]
-        dz = constrain(dz.astype(ld).astype(cd), _LOGITS_NAMES)
+        dz = _constrain(dz.astype(ld).astype(cd), plan.run)
         if plan.tied:
             dx = dx + jnp.einsum("btc,ce->bte", dz, w, preferred_element_type=F32)
             dw = jnp.einsum("bte,btc->ce", x, dz, preferred_element_type=F32)

@@ -18,7 +18,7 @@ from ling2.config import load_config
 from ling2.config.schema import MESH_AXES
 from ling2.layers import losses, sharding
 from ling2.layers.embed import Embed, LMHead, logits_einsum
-from ling2.config.specs import EmbedSpec
+from ling2.config.specs import EmbedSpec, RunSpec
 
 F32 = jnp.float32
 
@@ -51,8 +51,8 @@ def full_loss(x, k, tgt, w, tied=False):
     return losses.cross_entropy_sums(losses.head_logits(x, k, tied=tied), tgt, w)
 
 
-def blocked_loss(x, k, tgt, w, n, tied=False, shards=1):
-    return losses.head_cross_entropy_sums(x, k, tgt, w, num_blocks=n, vocab_shards=shards, tied=tied)
+def blocked_loss(x, k, tgt, w, n, tied=False, shards=1, run=None):
+    return losses.head_cross_entropy_sums(x, k, tgt, w, num_blocks=n, vocab_shards=shards, tied=tied, run=run)
 
 
 def grads(loss, x, k, w):
@@ -133,8 +133,8 @@ def test_argmax_ties_take_the_lowest_id():
 
 def lm_cfg(E, V, dtype, float32_logits):
     return EmbedSpec(init_std=0.3, emb_dim=E, vocab_size=V, weight_dtype="float32", dtype=dtype,
-                     float32_logits=float32_logits, normalization_layer_epsilon=1e-6, logical_axis_rules=(),
-                     quantization="", fp8_scaling="tensor")
+                     float32_logits=float32_logits, normalization_layer_epsilon=1e-6,
+                     run=RunSpec.of(load_config()))
 
 
 @pytest.mark.parametrize("float32_logits", [True, False])
@@ -209,9 +209,9 @@ def test_sharded_equals_single_device(mesh_sizes):
     rules = sharding.rules_dict(cfg.logical_axis_rules)
     x, k, tgt, w = map(jnp.asarray, case(6, B=4, T=8, E=32, V=160))
 
-    def step(x, k, tgt, w, n, shards):
-        return jax.value_and_grad(lambda x, k: (lambda s: s[0] + s[2])(blocked_loss(x, k, tgt, w, n, shards=shards)),
-                                  argnums=(0, 1))(x, k)
+    def step(x, k, tgt, w, n, shards, run=None):
+        return jax.value_and_grad(lambda x, k: (lambda s: s[0] + s[2])(blocked_loss(x, k, tgt, w, n, shards=shards,
+                                                                                    run=run)), argnums=(0, 1))(x, k)
 
     def put(a, names):
         return jax.device_put(a, NamedSharding(mesh, sharding.logical_to_spec(names, a.shape, rules, mesh)))
@@ -222,8 +222,8 @@ def test_sharded_equals_single_device(mesh_sizes):
     t = mesh.shape["tensor"]
     v1, (gx1, gk1) = jax.jit(step, static_argnums=(4, 5))(x, k, tgt, w, 0, 1)
     for n, shards in ((3, t), (5, 1)):
-        with sharding.use_mesh(mesh, cfg.logical_axis_rules):
-            v8, (gx8, gk8) = jax.jit(step, static_argnums=(4, 5))(*args, n, shards)
+        with jax.set_mesh(mesh):
+            v8, (gx8, gk8) = jax.jit(step, static_argnums=(4, 5, 6))(*args, n, shards, RunSpec.of(cfg, mesh))
         np.testing.assert_allclose(float(v8), float(v1), rtol=1e-6)
         close(gx8, gx1, 1e-6)
         close(gk8, gk1, 1e-6)

@@ -5,8 +5,9 @@ converter and generation build.
   model.loss_sums(batch...) -> LossSums: the main next-token CE sums, each MTP depth's sums and
                                every MoE layer's aux, for the trainer to normalise once
   model.expert_biases()     -> every loss-free-balancing bias with the layers of its rows
-  update_expert_biases(state, counts, cfg) -> the state with every bias moved once (pure; the trainer's)
+  update_expert_biases(state, counts, spec) -> the state with every bias moved once (pure; the trainer's)
 
+Everything here takes a `ModelSpec` (`ling2.layers.spec`: `ModelSpec.of(cfg, mesh)`), not the Config.
 The decoder is built before MTP, so the decoder's weights do not depend on mtp_num_layers.
 State paths ("decoder/...", "mtp/depths/d/...") are the layer plan's (`ling2.layers.plan`).
 """
@@ -19,8 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ling2.config import Config
-from ling2.config.specs import RouterSpec
 from ling2.layers.moe import layer as moe
 from ling2.layers.attention.registry import ATTENTION
 from ling2.layers.decoder import DecoderOutput, Ling2Decoder
@@ -29,7 +28,7 @@ from ling2.layers.moe.layer import bias_update
 from ling2.layers.moe.router import RoutedBias
 from ling2.layers.mtp import MTP, MTPOutput
 from ling2.layers.norms import GroupRMSNorm, RMSNorm
-from ling2.layers.plan import layer_plan
+from ling2.layers.spec import ModelSpec
 
 
 class LossSums(NamedTuple):
@@ -43,12 +42,12 @@ class LossSums(NamedTuple):
 class Ling2Model(nnx.Module):
     """Ling2 decoder + MTP. Call with ids [B,T] (optional positions / segment_ids [B,T])."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        self.decoder = Ling2Decoder(cfg, rngs=rngs)
-        self.mtp = MTP(cfg, rngs=rngs) if cfg.mtp_num_layers else None
-        self.mtp_hidden_pre_norm = cfg.mtp_hidden_pre_norm
-        self.bias_rows = tuple((spec.path, spec.stack, spec.index) for spec in layer_plan(cfg).all()
-                               if spec.mlp == "moe")
+    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
+        self.decoder = Ling2Decoder(spec, rngs=rngs)
+        self.mtp = MTP(spec, rngs=rngs) if spec.plan.mtp else None
+        self.mtp_hidden_pre_norm = spec.mtp_hidden_pre_norm
+        self.bias_rows = tuple((layer.path, layer.stack, layer.index) for layer in spec.plan.all()
+                               if layer.mlp == "moe")
 
     def __call__(self, ids_BT, positions_BT=None, segment_ids_BT=None, valid_BT=None) -> DecoderOutput:
         """The main model's forward (no MTP): logits [B,T,V], hidden states and MoE aux."""
@@ -84,20 +83,20 @@ class Ling2Model(nnx.Module):
         return list(found.values())
 
 
-def expert_bias_rows(cfg) -> dict:
+def expert_bias_rows(spec: ModelSpec) -> dict:
     """{state path of an expert bias: the global layer index of each of its rows}: an [E] bias has one row,
     a scanned group's stacked [n, E] bias n, in stack order."""
     rows = {}
-    for spec in layer_plan(cfg).all():
-        if spec.mlp == "moe":
-            rows.setdefault(spec.path + ("mlp", "gate", "expert_bias"), []).append(spec.index)
+    for layer in spec.plan.all():
+        if layer.mlp == "moe":
+            rows.setdefault(layer.path + ("mlp", "gate", "expert_bias"), []).append(layer.index)
     return rows
 
 
-def update_expert_biases(tree, counts: dict, cfg):
+def update_expert_biases(tree, counts: dict, spec: ModelSpec):
     """`tree` (an nnx.State) with each expert bias moved once by loss-free balancing, from the step's
     assignments {layer index: [E]} summed over its micro-batches; every other Variable as it is."""
-    rows, router = expert_bias_rows(cfg), RouterSpec.of(cfg)
+    rows, router = expert_bias_rows(spec), spec.layers.moe
 
     def update(path, var):
         layers = rows.get(tuple(k.key for k in path))
@@ -111,27 +110,19 @@ def update_expert_biases(tree, counts: dict, cfg):
     return jax.tree_util.tree_map_with_path(update, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def abstract_model(cfg) -> Ling2Model:
-    """Ling2Model(cfg) with ShapeDtypeStruct leaves (nnx.eval_shape; nothing computed), cached per config
-    (`abstract_model.cache_clear()` empties the cache)."""
-    return _abstract_model(cfg.model_dump_json())
-
-
 @functools.lru_cache(maxsize=8)
-def _abstract_model(cfg_json: str) -> Ling2Model:
-    cfg = Config.model_validate_json(cfg_json)
-    return nnx.eval_shape(lambda: Ling2Model(cfg, rngs=nnx.Rngs(0)))
+def abstract_model(spec: ModelSpec) -> Ling2Model:
+    """Ling2Model(spec) with ShapeDtypeStruct leaves (nnx.eval_shape; nothing computed), cached per spec
+    (`abstract_model.cache_clear()` empties the cache)."""
+    return nnx.eval_shape(lambda: Ling2Model(spec, rngs=nnx.Rngs(0)))
 
 
-abstract_model.cache_clear = _abstract_model.cache_clear
-
-
-def param_roles(cfg) -> dict:
-    """{state path: role} of every Variable of Ling2Model(cfg), from the module that owns it:
+def param_roles(spec: ModelSpec) -> dict:
+    """{state path: role} of every Variable of Ling2Model(spec), from the module that owns it:
     'embedding' (the token embedding), 'norm' (an RMSNorm / GroupRMSNorm scale), 'bias' (a loss-free
     expert bias) or 'matrix' (every other weight: projections, experts, router, lm_head, eh_proj).
     A scanned stack holds the same modules, so its Variables get the same roles as unscanned ones."""
-    nodes = list(nnx.iter_graph(abstract_model(cfg)))
+    nodes = list(nnx.iter_graph(abstract_model(spec)))
     modules = {path: node for path, node in nodes if isinstance(node, nnx.Module)}
     roles = {}
     for path, node in nodes:
@@ -148,34 +139,34 @@ def param_roles(cfg) -> dict:
     return roles
 
 
-def count_params(cfg) -> dict:
-    """Trainable parameters (nnx.Param; not the selection-only expert bias) of Ling2Model(cfg):
+def count_params(spec: ModelSpec) -> dict:
+    """Trainable parameters (nnx.Param; not the selection-only expert bias) of Ling2Model(spec):
     {'embed', 'lm_head', 'final_norm', 'layers', 'mtp', 'decoder', 'total', 'active'}. `active`
     counts `num_experts_per_tok` routed experts per MoE layer instead of all of them."""
-    sizes = {path: int(np.prod(v.shape)) for path, v in nnx.to_flat_state(nnx.state(abstract_model(cfg), nnx.Param))}
+    sizes = {path: int(np.prod(v.shape)) for path, v in nnx.to_flat_state(nnx.state(abstract_model(spec), nnx.Param))}
     under = lambda *head: sum(n for p, n in sizes.items() if p[:len(head)] == head)  # noqa: E731
     out = {"embed": under("decoder", "embed"), "lm_head": under("decoder", "lm_head"),
            "final_norm": under("decoder", "final_norm"), "mtp": under("mtp")}
     out["layers"] = sum(under("decoder", part) for part in ("layers", "prefix", "groups", "suffix"))
     out["decoder"] = under("decoder")
     out["total"] = sum(sizes.values())
-    inactive = 3 * cfg.base_emb_dim * cfg.base_moe_mlp_dim * (cfg.num_experts - cfg.num_experts_per_tok)
-    out["active"] = out["total"] - inactive * sum(s.mlp == "moe" for s in layer_plan(cfg).all())
+    m = spec.layers.moe
+    inactive = 3 * m.emb_dim * m.base_moe_mlp_dim * (m.num_experts - m.num_experts_per_tok)
+    out["active"] = out["total"] - inactive * sum(s.mlp == "moe" for s in spec.plan.all())
     return out
 
 
-def training_flops_per_token(cfg, seq_len: int | None = None) -> float:
-    """Model FLOPs of one training token (forward + backward = 3 x forward) at `seq_len` (default
-    max_target_length): 2 x the active matmul weights of every layer, MTP's eh_proj and each lm_head,
-    plus each attention kind's token mixing (`mixing_flops` beside its module). The embedding lookup
-    and norms are not counted."""
-    S = seq_len or cfg.max_target_length
+def training_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+    """Model FLOPs of one training token (forward + backward = 3 x forward) at `seq_len`: 2 x the active
+    matmul weights of every layer, MTP's eh_proj and each lm_head, plus each attention kind's token mixing
+    (`mixing_flops` beside its module). The embedding lookup and norms are not counted."""
+    E, mtp = spec.emb_dim, len(spec.plan.mtp)
     weights = heads = mixing = 0.0
-    for spec in layer_plan(cfg).all():
-        attn = ATTENTION[spec.attn]
-        weights += attn.matmul_params(cfg)
-        weights += 3 * cfg.base_emb_dim * cfg.base_mlp_dim if spec.mlp == "dense" else moe.matmul_params(cfg, active=True)
-        mixing += attn.mixing_flops(cfg, S)
-    weights += cfg.mtp_num_layers * 2 * cfg.base_emb_dim * cfg.base_emb_dim
-    heads = (1 + cfg.mtp_num_layers) * cfg.base_emb_dim * cfg.vocab_size
+    for layer in spec.plan.all():
+        attn, attn_spec = ATTENTION[layer.attn], spec.layers.attention_spec(layer.attn)
+        weights += attn.matmul_params(attn_spec)
+        weights += 3 * E * spec.layers.mlp_dim if layer.mlp == "dense" else moe.matmul_params(spec.layers.moe)
+        mixing += attn.mixing_flops(attn_spec, seq_len)
+    weights += mtp * 2 * E * E
+    heads = (1 + mtp) * E * spec.vocab_size
     return 3.0 * (2 * (weights + heads) + mixing)

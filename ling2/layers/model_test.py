@@ -11,7 +11,7 @@ from ling2.config import load_config
 from ling2.layers import decoder, losses
 from ling2.layers import model as model_lib
 from ling2.layers.model import Ling2Model
-from ling2.layers.plan import layer_plan
+from ling2.layers.spec import ModelSpec
 
 
 def n_params(module) -> int:
@@ -21,9 +21,9 @@ def n_params(module) -> int:
 @pytest.mark.parametrize("kw", [dict(), dict(q_lora_rank=0, scan_layers=True, base_num_decoder_layers=12)])
 def test_counts_equal_built_model(kw):
     cfg = load_config(model_name="ling2-tiny", **kw)
-    build = lambda: Ling2Model(cfg, rngs=nnx.Rngs(0))
+    build = lambda: Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
     model = nnx.eval_shape(build)  # shapes only, nothing computed
-    c = model_lib.count_params(cfg)
+    c = model_lib.count_params(ModelSpec.of(cfg))
     assert c["decoder"] == n_params(model.decoder)
     assert c["mtp"] == n_params(model.mtp) > 0
     assert c["total"] == n_params(model)
@@ -45,7 +45,7 @@ def test_ling2_hand_count():
     layers = 16 * gla + 4 * mla + dense_mlp + 19 * moe + 20 * norms
     mtp_layer = 3 * 2048 + 2 * 2048 * 2048 + mla + moe + norms
     total = V * E + E * V + E + layers + mtp_layer
-    c = model_lib.count_params(cfg)
+    c = model_lib.count_params(ModelSpec.of(cfg))
     assert c["layers"] == layers
     assert c["total"] == total
     active = V * E + E * V + E + 16 * gla + 4 * mla + dense_mlp + 19 * moe_active + 20 * norms \
@@ -61,8 +61,9 @@ def test_training_flops_per_token_by_hand():
     mla_mm = E * 64 + 64 * H * 48 + E * (64 + 16) + 64 * H * (32 + 32) + H * 32 * E
     mlp = 3 * E * 384
     fwd = 2 * (4 * gla_mm + mla_mm + 5 * mlp + E * V) + 4 * H * (4 * D * D + 2 * D * C) + 2 * H * (48 + 32) * S / 2
-    assert model_lib.training_flops_per_token(cfg, S) == pytest.approx(3 * fwd)
-    assert model_lib.training_flops_per_token(cfg, 2 * S) > model_lib.training_flops_per_token(cfg, S)
+    assert model_lib.training_flops_per_token(ModelSpec.of(cfg), S) == pytest.approx(3 * fwd)
+    spec = ModelSpec.of(cfg)
+    assert model_lib.training_flops_per_token(spec, 2 * S) > model_lib.training_flops_per_token(spec, S)
 
 
 def test_flops_match_xla_cost_analysis_of_a_dense_forward():
@@ -70,13 +71,13 @@ def test_flops_match_xla_cost_analysis_of_a_dense_forward():
     by using only MLA layers), within 10% (XLA also counts softmax/norm/elementwise work)."""
     cfg = load_config(model_name="ling2-tiny", mtp_num_layers=0, base_num_decoder_layers=2, first_num_dense_layers=2,
                       inhomogeneous_layer_cycle_interval=1, vocab_size=512)
-    m = decoder.Ling2Decoder(cfg, rngs=nnx.Rngs(0))
+    m = decoder.Ling2Decoder(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
     gdef, state = nnx.split(m)
     B, S = 2, 128
     ids = jax.ShapeDtypeStruct((B, S), np.int32)
     f = jax.jit(lambda state, ids: nnx.merge(gdef, state)(ids).logits)
     xla = f.lower(state, ids).compile().cost_analysis()["flops"]
-    ours = model_lib.training_flops_per_token(cfg, S) / 3 * B * S
+    ours = model_lib.training_flops_per_token(ModelSpec.of(cfg), S) / 3 * B * S
     assert abs(xla / ours - 1) < 0.1, (xla, ours)
 
 
@@ -93,7 +94,7 @@ def _batch(cfg, B=2, T=12, seed=0):
 def test_forward_without_targets_returns_logits_with_mtp_layers():
     cfg = load_config(model_name="ling2-micro", vocab_size=256)
     assert cfg.mtp_num_layers == 1
-    model = Ling2Model(cfg, rngs=nnx.Rngs(0))
+    model = Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
     ids, *_ = _batch(cfg)
     out = nnx.jit(lambda m, ids: m(ids))(model, ids)
     assert out.logits.shape == (2, 12, 256) and out.logits.dtype == np.float32
@@ -104,7 +105,7 @@ def test_forward_without_targets_returns_logits_with_mtp_layers():
 def test_loss_sums_are_the_decoder_ce_plus_mtp_sums():
     """The reference: cross_entropy_sums of the decoder's own logits, and MTP called by hand."""
     cfg = load_config(model_name="ling2-micro", vocab_size=256)
-    model = Ling2Model(cfg, rngs=nnx.Rngs(0))
+    model = Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
     batch = _batch(cfg)
     s = nnx.jit(lambda m, *b: m.loss_sums(*b))(model, *batch)
     ids, targets, w, pos, seg = batch
@@ -115,14 +116,14 @@ def test_loss_sums_are_the_decoder_ce_plus_mtp_sums():
     d = model.decoder
     mo = model.mtp(d, out, ids, targets, w, pos, seg)
     np.testing.assert_allclose(np.asarray(s.mtp.ce_sum), np.asarray(mo.ce_sum), rtol=1e-6)
-    assert sorted(s.moe_aux) == [s_.index for s_ in layer_plan(cfg).all() if s_.mlp == "moe"] == [1, 2]
+    assert sorted(s.moe_aux) == [s_.index for s_ in ModelSpec.of(cfg).plan.all() if s_.mlp == "moe"] == [1, 2]
 
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_expert_biases_follow_the_plan(scan):
     """Every MoE layer's bias once, with its global index; scanned stacks give one row per group."""
     cfg = load_config(model_name="ling2-tiny", scan_layers=scan, base_num_decoder_layers=12)
-    model = nnx.eval_shape(lambda: Ling2Model(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0)))
     rows = [(tuple(var.shape), idx) for var, idx in model.expert_biases()]
     assert sorted(i for _, idx in rows for i in idx) == [i for i in range(13) if i != 0]  # layer 0 dense; 12 = MTP
     for shape, idx in rows:
@@ -139,7 +140,7 @@ def test_vocab_blocked_loss_equals_full_logits_main_and_mtp():
     batch = _batch(cfg, seed=3)
     results = []
     for blocks in (0, 3):
-        model = Ling2Model(cfg.model_copy(update={"loss_vocab_blocks": blocks}), rngs=nnx.Rngs(0))
+        model = Ling2Model(ModelSpec.of(cfg.model_copy(update={"loss_vocab_blocks": blocks})), rngs=nnx.Rngs(0))
 
         def loss(m):
             s = m.loss_sums(*batch)

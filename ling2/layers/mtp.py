@@ -25,8 +25,9 @@ from flax import nnx
 from ling2.layers.attention import decode as decode_lib
 from ling2.layers import losses, norms
 from ling2.kernels import fp8
-from ling2.layers.decoder import DecoderLayer, DecoderOutput, LayerSpecs, remat
-from ling2.layers.plan import LayerSpec, layer_plan
+from ling2.layers.decoder import DecoderLayer, DecoderOutput, remat
+from ling2.layers.plan import LayerSpec
+from ling2.layers.spec import LayerSpecs, ModelSpec
 
 
 def roll_and_mask_by_segment(x_BT, segment_ids_BT, k: int, fill=0):
@@ -100,7 +101,7 @@ class MTPDepth(nnx.Module):
         self.layer = DecoderLayer(specs, layer, rngs=rngs)
         self.index = layer.index
         self.final_norm = norms.RMSNorm(E, eps=eps, param_dtype=wdt)
-        self.dtype, self.fp8 = w.dtype, fp8.of(w)
+        self.dtype, self.fp8 = w.dtype, fp8.of(w.run)
 
     def _input(self, emb_BTE, h_BTE):
         x = jnp.concatenate([self.enorm(emb_BTE), self.hnorm(h_BTE.astype(emb_BTE.dtype))], axis=-1)
@@ -121,23 +122,23 @@ class MTPDepth(nnx.Module):
 
 
 class MTP(nnx.Module):
-    """cfg.mtp_num_layers next-n modules; the embedding and the output head are the main decoder's."""
+    """The plan's MTP depths (mtp_num_layers next-n modules); the embedding and the output head are the main
+    decoder's."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        if cfg.mtp_num_layers < 1:
+    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
+        if not spec.plan.mtp:
             raise ValueError("mtp_num_layers: MTP needs >= 1 layer (Ling2Model builds none for 0)")
-        self.first_layer_idx = cfg.base_num_decoder_layers
-        specs = LayerSpecs.of(cfg)
-        self.depths = nnx.List([MTPDepth(specs, layer, rngs=rngs) for layer in layer_plan(cfg).mtp])
-        self.pre_norm = cfg.mtp_hidden_pre_norm
-        self.remat_policy = cfg.remat_policy
+        self.first_layer_idx = len(spec.plan.layers)
+        self.depths = nnx.List([MTPDepth(spec.layers, layer, rngs=rngs) for layer in spec.plan.mtp])
+        self.pre_norm = spec.mtp_hidden_pre_norm
+        self.remat_policy = spec.run.remat_policy
 
     def __call__(self, decoder, hidden, ids_BT, targets_BT, loss_weights_BT, positions_BT, segment_ids_BT,
                  valid_BT=None, return_logits: bool = False) -> MTPOutput:
         """Runs every depth; returns per-depth loss sums.
 
         hidden: the main model's DecoderOutput (its `hidden`, or `hidden_pre_norm` with
-          cfg.mtp_hidden_pre_norm, is used), or that [B,T,E] array chosen by the caller.
+          mtp_hidden_pre_norm, is used), or that [B,T,E] array chosen by the caller.
         decoder: the main Ling2Decoder, whose embedding and output head (`logits`, `ce_sums`) MTP shares.
         ids, targets, loss_weights, positions, segment_ids: the main model's [B,T] inputs
           (targets[t] is the token after ids[t]); valid_BT: optional MoE statistics mask.

@@ -16,6 +16,7 @@ from ling2.layers.decoder import Ling2Decoder
 from ling2.layers.model import Ling2Model
 from ling2.layers.mtp import (MTP, top1_accuracy, depth_token_counts, mtp_loss,
                               roll_and_mask_by_segment)
+from ling2.layers.spec import ModelSpec
 
 F = -1  # fill value in the hand-written cases
 
@@ -122,7 +123,7 @@ def _forward(model, ids, targets, w, pos, seg, return_logits=True):
 @pytest.fixture(scope="module")
 def setup():
     cfg = _cfg()
-    model = Ling2Model(cfg, rngs=nnx.Rngs(0))
+    model = Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
     batch = _batch(cfg.vocab_size)
     out, mtp = _forward(model, *map(jnp.asarray, batch))
     return cfg, model, batch, out, mtp
@@ -248,8 +249,8 @@ def test_tied_head_uses_the_embedding(setup):
 def test_no_mtp_is_the_plain_decoder_bit_for_bit():
     cfg = _cfg(mtp_num_layers=0)
     with pytest.raises(ValueError, match="mtp_num_layers"):
-        MTP(cfg, rngs=nnx.Rngs(0))
-    wrapped, plain = Ling2Model(cfg, rngs=nnx.Rngs(0)), Ling2Decoder(cfg, rngs=nnx.Rngs(0))
+        MTP(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
+    wrapped, plain = Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0)), Ling2Decoder(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
     assert wrapped.mtp is None
     ws, ps = nnx.to_flat_state(nnx.state(wrapped, nnx.Param)), nnx.to_flat_state(nnx.state(plain, nnx.Param))
     assert [p[1:] for p, _ in ws] == [p for p, _ in ps]  # only the decoder's params, same names
@@ -266,7 +267,7 @@ def test_no_mtp_is_the_plain_decoder_bit_for_bit():
 def test_mtp_leaves_the_decoder_weights_unchanged(setup):
     """Building MTP after the decoder keeps the decoder's weights those of the plain decoder."""
     cfg, model, *_ = setup
-    plain = Ling2Decoder(cfg, rngs=nnx.Rngs(0))
+    plain = Ling2Decoder(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
     for (pa, a), (pb, b) in zip(nnx.to_flat_state(nnx.state(model.decoder, nnx.Param)),
                                 nnx.to_flat_state(nnx.state(plain, nnx.Param))):
         assert pa == pb

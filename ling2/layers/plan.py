@@ -1,4 +1,4 @@
-"""The layer plan: every decoder and MTP layer of a config, described once.
+"""The layer plan: every decoder and MTP layer of a model, described once (`ModelSpec.plan`).
 
 Each `LayerSpec` names a layer's global index, attention kind (cfg.layer_types), MLP kind
 (cfg.mlp_types) and where its module sits in the model state. Unscanned, layer i is at
@@ -18,6 +18,7 @@ name in cfg.layer_types and a module registered in `ling2.layers.attention.regis
 from typing import NamedTuple
 
 from ling2.config.kinds import FULL
+from ling2.config.specs import PlanSpec
 
 
 class LayerSpec(NamedTuple):
@@ -47,16 +48,16 @@ class LayerPlan(NamedTuple):
         return self.layers + self.mtp
 
 
-def scan_layout(cfg) -> tuple[int, int, int]:
+def scan_layout(spec: PlanSpec) -> tuple[int, int, int]:
     """(prefix_end, num_groups, group_size) of the scanned stack: layers [0, prefix_end) unscanned,
     then num_groups groups of group_size, then the rest unscanned.
 
     Raises ValueError when the scanned groups would not all have one layer pattern."""
-    L, k = cfg.base_num_decoder_layers, cfg.inhomogeneous_layer_cycle_interval
+    L, k = spec.num_decoder_layers, spec.inhomogeneous_layer_cycle_interval
     full_end = (L // k) * k
-    prefix_end = min(-(-cfg.first_num_dense_layers // k) * k, full_end)
+    prefix_end = min(-(-spec.first_num_dense_layers // k) * k, full_end)
     n = max(full_end - prefix_end, 0) // k
-    kinds = list(zip(cfg.layer_types, cfg.mlp_types))
+    kinds = list(zip(spec.layer_types, spec.mlp_types))
     pattern = kinds[prefix_end:prefix_end + k]
     for g in range(1, n):
         start = prefix_end + g * k
@@ -66,17 +67,17 @@ def scan_layout(cfg) -> tuple[int, int, int]:
     return prefix_end, n, k
 
 
-def layer_plan(cfg) -> LayerPlan:
-    """The plan of `cfg` (see the module doc)."""
-    L = cfg.base_num_decoder_layers
-    kinds = list(zip(cfg.layer_types, cfg.mlp_types))
-    if cfg.scan_layers:
-        p, n, k = scan_layout(cfg)
+def layer_plan(spec: PlanSpec, scan: bool) -> LayerPlan:
+    """The plan of `spec`'s layers, their repeated groups stacked and scanned with `scan` (see the module doc)."""
+    L = spec.num_decoder_layers
+    kinds = list(zip(spec.layer_types, spec.mlp_types))
+    if scan:
+        p, n, k = scan_layout(spec)
     else:
-        p, n, k = L, 0, cfg.inhomogeneous_layer_cycle_interval
+        p, n, k = L, 0, spec.inhomogeneous_layer_cycle_interval
     layers = []
     for i, (attn, mlp) in enumerate(kinds):
-        if not cfg.scan_layers:
+        if not scan:
             path, stack = ("decoder", "layers", i), ()
         elif i < p:
             path, stack = ("decoder", "prefix", i), ()
@@ -86,5 +87,5 @@ def layer_plan(cfg) -> LayerPlan:
             path, stack = ("decoder", "suffix", i - p - n * k), ()
         layers.append(LayerSpec(i, attn, mlp, path, stack))
     mtp = tuple(LayerSpec(L + d, FULL, "moe", ("mtp", "depths", d, "layer"), (), True)
-                for d in range(cfg.mtp_num_layers))
-    return LayerPlan(tuple(layers), mtp, bool(cfg.scan_layers), p, n, k)
+                for d in range(spec.mtp_num_layers))
+    return LayerPlan(tuple(layers), mtp, bool(scan), p, n, k)

@@ -1,21 +1,19 @@
 """Logical axis names -> mesh axes, by the rules in `cfg.logical_axis_rules`.
 
 Parameters carry logical names in their `out_sharding` metadata (e.g. ("embed", "heads",
-"kv")); activations are constrained with `constrain(x, names)`. Outside `use_mesh`
-constraints are no-ops, so layers run unchanged on one device. A mesh axis is used at
-most once per array and only on a dim it divides; otherwise that dim is replicated
-(a layout choice, never a change in the numbers). Building meshes and parameter shardings
-is the trainer runtime's (`ling2.train.runtime`).
+"kv")); activations are constrained with `constrain(x, names, run)`. A layer learns the mesh from
+its spec's `run` (`ling2.config.specs.RunSpec`): the mesh's axis sizes and the rules, handed down
+from the model's construction. With no mesh there (one device) constraints are no-ops, so layers
+run unchanged. A mesh axis is used at most once per array and only on a dim it divides; otherwise
+that dim is replicated (a layout choice, never a change in the numbers). The devices are the
+ambient `jax.set_mesh`'s, which must be the mesh the run was built for. Building meshes and parameter
+shardings is the trainer runtime's (`ling2.train.runtime`).
 """
 
-import contextlib
-import contextvars
 import math
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-_ACTIVE = contextvars.ContextVar("ling2_mesh_rules", default=None)
+from jax.sharding import Mesh, PartitionSpec
 
 
 def rules_dict(rules) -> dict[str, tuple[str, ...]]:
@@ -27,14 +25,18 @@ def logical_to_spec(names, shape, rules, mesh: Mesh) -> PartitionSpec:
     """PartitionSpec for an array of `shape` whose dims have logical `names` (None = replicated)."""
     if len(names) != len(shape):
         raise ValueError(f"logical names {names} do not match shape {shape}")
+    return _spec(names, shape, rules, dict(mesh.shape))
+
+
+def _spec(names, shape, rules, sizes: dict) -> PartitionSpec:
     used, out = set(), []
     for name, dim in zip(names, shape):
         if name is not None and name not in rules:
             raise ValueError(f"logical axis {name!r} has no rule in logical_axis_rules")
         axes = []
         for a in rules.get(name, ()) if name is not None else ():
-            size = mesh.shape.get(a, 1)  # an axis this mesh lacks: size 1
-            if a in used or size == 1 or dim % (math.prod(mesh.shape[x] for x in axes) * size):
+            size = sizes.get(a, 1)  # an axis this mesh lacks: size 1
+            if a in used or size == 1 or dim % (math.prod(sizes[x] for x in axes) * size):
                 continue
             axes.append(a)
         used.update(axes)
@@ -42,46 +44,35 @@ def logical_to_spec(names, shape, rules, mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(*out)
 
 
-@contextlib.contextmanager
-def use_mesh(mesh: Mesh, rules):
-    """Within this context `constrain` shards activations on `mesh` by `rules`."""
-    token = _ACTIVE.set((mesh, rules_dict(rules)))
-    try:
-        with jax.set_mesh(mesh):
-            yield
-    finally:
-        _ACTIVE.reset(token)
+def _split(run, name: str, size: int) -> tuple:
+    """(mesh sizes, mesh axes a dim of logical `name` and `size` splits over) under `run`."""
+    sizes = dict(run.mesh_shape)
+    if not sizes:
+        return sizes, ()
+    axes = _spec((name,), (size,), rules_dict(run.logical_axis_rules), sizes)[0]
+    return sizes, () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def dim_axes(name: str, size: int) -> tuple[str, ...]:
-    """The mesh axes a dim of logical `name` and `size` is split over inside `use_mesh` (in order); () outside."""
-    active = _ACTIVE.get()
-    if active is None:
-        return ()
-    mesh, rules = active
-    axes = logical_to_spec((name,), (size,), rules, mesh)[0]
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+def dim_axes(run, name: str, size: int) -> tuple[str, ...]:
+    """The mesh axes a dim of logical `name` and `size` is split over under `run` (a RunSpec), in order."""
+    return _split(run, name, size)[1]
 
 
-def dim_shards(name: str, size: int) -> int:
-    """How many ways a dim of logical `name` and `size` is split inside `use_mesh`; 1 outside."""
-    active = _ACTIVE.get()
-    return 1 if active is None else math.prod(active[0].shape[a] for a in dim_axes(name, size))
+def dim_shards(run, name: str, size: int) -> int:
+    """How many ways a dim of logical `name` and `size` is split under `run`; 1 on one device."""
+    sizes, axes = _split(run, name, size)
+    return math.prod(sizes[a] for a in axes)
 
 
-def context_axes(length: int, what: str):
-    """The mesh axis name (or tuple of names) a sequence of `length` positions is split over inside
-    `use_mesh` (the activation_length rule: context parallelism), None when it is whole. `what` names the
-    caller in the error raised when the rule maps to mesh axes that do not divide `length` evenly."""
-    active = _ACTIVE.get()
-    if active is None:
-        return None
-    mesh, rules = active
-    want = tuple(a for a in rules.get("activation_length", ()) if mesh.shape.get(a, 1) > 1)
-    axes = dim_axes("activation_length", length)
+def context_axes(run, length: int, what: str):
+    """The mesh axis name (or tuple of names) a sequence of `length` positions is split over under `run`
+    (the activation_length rule: context parallelism), None when it is whole. `what` names the caller in
+    the error raised when the rule maps to mesh axes that do not divide `length` evenly."""
+    sizes, axes = _split(run, "activation_length", length)
+    want = tuple(a for a in rules_dict(run.logical_axis_rules).get("activation_length", ()) if sizes.get(a, 1) > 1)
     if axes != want:
         raise ValueError(f"{what}: the sequence of {length} positions does not split over the context axes "
-                         f"{dict((a, mesh.shape[a]) for a in want)} (it must be a multiple of their product)")
+                         f"{dict((a, sizes[a]) for a in want)} (it must be a multiple of their product)")
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
@@ -122,10 +113,29 @@ def shard_map_by_names(f, in_names, out_names, rules, *, mesh=None):
     return call
 
 
-def constrain(x, names):
-    """with_sharding_constraint by logical names, inside `use_mesh`; identity outside."""
-    active = _ACTIVE.get()
-    if active is None:
+def mesh_of(run):
+    """The ambient mesh (`jax.set_mesh`), checked to be the one `run` (a RunSpec) was made for."""
+    sizes, ambient = dict(run.mesh_shape), jax.sharding.get_abstract_mesh()
+    if ambient.empty or dict(ambient.shape) != sizes:
+        raise ValueError(f"a layer built for the mesh {sizes} runs under "
+                         f"{'no mesh' if ambient.empty else dict(ambient.shape)}: call it inside jax.set_mesh of "
+                         "the mesh its spec was made with (ModelSpec.of(cfg, mesh))")
+    return ambient
+
+
+def shard_map_for(run, f, in_names, out_names):
+    """`shard_map_by_names(f, in_names, out_names, run's rules)` on the mesh `run` (a RunSpec) was made
+    for; f itself on one device."""
+    if not run.mesh_shape:
+        return f
+    return shard_map_by_names(f, in_names, out_names, run.logical_axis_rules, mesh=mesh_of(run))
+
+
+def constrain(x, names, run):
+    """with_sharding_constraint of `x` by logical `names` under `run` (a RunSpec); identity on one device.
+    Raises ValueError when the ambient mesh (`jax.set_mesh`) is not the one `run` was made for."""
+    if not run.mesh_shape:
         return x
-    mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, x.shape, rules, mesh)))
+    mesh_of(run)
+    return jax.lax.with_sharding_constraint(x, _spec(names, x.shape, rules_dict(run.logical_axis_rules),
+                                                     dict(run.mesh_shape)))

@@ -1,5 +1,7 @@
 """Logical-axis rules -> PartitionSpecs and activation constraints, on 8 fake CPU devices."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,14 +35,43 @@ def test_logical_to_spec():
         spec(("embed",), (4, 4))
 
 
-def test_constrain_is_identity_outside_and_shards_inside():
+def run_on(m):
+    """The sharding part of a RunSpec: the mesh's axis sizes and RULES."""
+    return types.SimpleNamespace(mesh_shape=tuple(m.shape.items()) if m else (),
+                                 logical_axis_rules=tuple((n, tuple(a or ())) for n, a in RULES))
+
+
+def test_constrain_is_identity_on_one_device_and_shards_on_the_runs_mesh():
     x = jnp.arange(64.0).reshape(8, 8)
-    assert sharding.constrain(x, ("activation_batch", "embed")) is x
+    assert sharding.constrain(x, ("activation_batch", "embed"), run_on(None)) is x
     m = mesh(fsdp=2, expert=2, tensor=2)
-    with sharding.use_mesh(m, RULES):
-        y = jax.jit(lambda x: sharding.constrain(x * 2, ("activation_batch", "mlp")))(x)
+    with jax.set_mesh(m):
+        y = jax.jit(lambda x: sharding.constrain(x * 2, ("activation_batch", "mlp"), run_on(m)))(x)
     assert y.sharding.spec == P(("fsdp", "expert"), "tensor")
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x) * 2)
+
+
+def test_a_layer_built_for_one_mesh_refuses_another():
+    """The mesh reaches a layer in its spec; calling it under another ambient mesh, or none, is an error."""
+    x = jnp.arange(64.0).reshape(8, 8)
+    m = mesh(fsdp=2, expert=2, tensor=2)
+    with pytest.raises(ValueError, match="runs under no mesh"):
+        sharding.constrain(x, ("activation_batch", "mlp"), run_on(m))
+    with jax.set_mesh(mesh(data=8)), pytest.raises(ValueError, match="built for the mesh"):
+        sharding.constrain(x, ("activation_batch", "mlp"), run_on(m))
+
+
+def test_dim_and_context_axes_come_from_the_run():
+    run = run_on(mesh(data=2, tensor=4))
+    assert sharding.dim_axes(run, "mlp", 8) == ("tensor",) and sharding.dim_shards(run, "mlp", 8) == 4
+    assert sharding.dim_shards(run, "mlp", 6) == 1  # 4 does not divide 6: whole
+    assert sharding.dim_shards(run_on(None), "mlp", 8) == 1
+    cp = types.SimpleNamespace(mesh_shape=(("data", 2), ("context", 4)),
+                               logical_axis_rules=(("activation_length", ("context",)),))
+    assert sharding.context_axes(cp, 16, "test") == "context"
+    assert sharding.context_axes(run_on(None), 16, "test") is None
+    with pytest.raises(ValueError, match="test: the sequence of 6 positions does not split"):
+        sharding.context_axes(cp, 6, "test")
 
 
 def test_shard_map_by_names_splits_each_name_one_way_and_matches_one_device():

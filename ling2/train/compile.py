@@ -83,6 +83,7 @@ def check_plan(cfg, topo, mesh) -> None:
 def plan(cfg, topo, log=print) -> dict:
     """Compiles the train step of `cfg` for `topo` and returns the plan (bytes per chip, FLOPs, times)."""
     from ling2.layers.model import count_params, training_flops_per_token
+    from ling2.layers.spec import ModelSpec
     from ling2.train.loop import abstract_batch, compile_train_step, host_peak_rss_bytes
     from ling2.train.runtime import make_mesh
     from ling2.train.state import abstract_state
@@ -100,7 +101,7 @@ def plan(cfg, topo, log=print) -> dict:
     seqs = cfg.global_batch_size(chips)
     tokens = seqs * cfg.max_target_length
     out = {"topology": topo.name, "num_slices": topo.num_slices, "chips": chips, "device_kind": topo.chip.device_kind,
-           "mesh": dict(mesh.shape), "model_name": cfg.model_name, "params": count_params(cfg)["total"],
+           "mesh": dict(mesh.shape), "model_name": cfg.model_name, "params": count_params(ModelSpec.of(cfg))["total"],
            "seq_len": cfg.max_target_length, "global_batch_seqs": seqs, "tokens_per_step": tokens,
            "micro_batch_seqs": cfg.micro_batch_size(chips), "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
            "remat_policy": cfg.remat_policy, "scan_layers": cfg.scan_layers, "loss_vocab_blocks": cfg.loss_vocab_blocks,
@@ -146,7 +147,7 @@ def plan(cfg, topo, log=print) -> dict:
     # The projection therefore uses Ling2's count, x 4/3 under full remat (each forward runs twice).
     out["xla_flops_per_chip"] = float(cost.get("flops", 0.0)) if cost else 0.0
     out["xla_flops_per_chip_x_accum"] = out["xla_flops_per_chip"] * cfg.gradient_accumulation_steps
-    out["ling2_flops_per_chip"] = training_flops_per_token(cfg) * tokens / chips
+    out["ling2_flops_per_chip"] = training_flops_per_token(ModelSpec.of(cfg), cfg.max_target_length) * tokens / chips
     recompute = 4 / 3 if cfg.remat_policy == "full" else 1.0
     out["step_flops_basis"] = f"ling2 x {recompute:.3g} (remat {cfg.remat_policy})"
     executed = out["ling2_flops_per_chip"] * recompute

@@ -126,7 +126,7 @@ def test_full_model_lowers_from_abstract_state_in_little_host_memory():
 import json, resource
 from ling2 import topology
 from ling2.config import load_config
-from ling2.layers.sharding import use_mesh
+import jax
 from ling2.train import step as step_lib
 from ling2.train.loop import abstract_batch
 from ling2.train.runtime import make_mesh
@@ -137,7 +137,7 @@ mesh = make_mesh(cfg, topology.parse("v5p-64", 1).devices())
 setup = abstract_state(cfg, mesh)
 state = setup.state
 step_fn = step_lib.jit_train_step(setup.graphdef, setup.tx, cfg, setup.schedule)
-with use_mesh(mesh, cfg.logical_axis_rules):
+with jax.set_mesh(mesh):
     text = step_fn.lower(state, abstract_batch(cfg, mesh)).as_text()
 print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "hlo": len(text),
                   "params": sum(x.size for x in __import__("jax").tree.leaves(state.params))}))

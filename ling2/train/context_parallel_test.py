@@ -25,7 +25,6 @@ import pytest
 from flax import nnx
 
 from ling2.config import load_config
-from ling2.layers.sharding import use_mesh
 from ling2.train import runtime
 from ling2.train import step as S
 from ling2.train.state import abstract_state, init_state
@@ -78,7 +77,7 @@ def run_step(cfg, devices, batch):
         tokens["mtp_tokens"] = jnp.sum(counts, axis=0)
     grad_fn = jax.jit(jax.grad(functools.partial(S.forward, setup.graphdef, cfg=cfg, step_tokens=tokens), has_aux=True))
     step_fn = S.jit_train_step(setup.graphdef, setup.tx, cfg, setup.schedule)
-    with use_mesh(mesh, cfg.logical_axis_rules):
+    with jax.set_mesh(mesh):
         grads, _ = grad_fn(state.params, state.rest, jax.tree.map(lambda x: x[0], batch))
         new, metrics = step_fn(state, batch)
     flat = lambda tree: {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(tree)}  # noqa: E731

@@ -11,6 +11,7 @@ import jax
 
 from ling2.checkpoint.state import CheckpointError
 from ling2.layers.model import training_flops_per_token
+from ling2.layers.spec import ModelSpec
 from ling2.layers.moe.router import router_metrics
 from ling2.train.eval import merged_state
 from ling2.train.metrics import progress_line
@@ -74,7 +75,8 @@ class Log:
 
     def __init__(self, cfg, writer, gp, log, peak_flops: float, start: int, evals: list):
         self.cfg, self.writer, self.gp, self.log, self.evals = cfg, writer, gp, log, evals
-        self.flops_per_token, self.peak_flops = training_flops_per_token(cfg), peak_flops
+        self.flops_per_token = training_flops_per_token(ModelSpec.of(cfg), cfg.max_target_length)
+        self.peak_flops = peak_flops
         self.losses = {}  # step -> loss
         self.window_start, self.t_window = start, gp.clock()
         self.eta = None

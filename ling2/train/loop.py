@@ -24,7 +24,7 @@ from ling2.checkpoint.manager import verify as checkpoint_verify
 from ling2.checkpoint.safetensors_io import INDEX_NAME
 from ling2.checkpoint.state import STATE_NAME, CheckpointError
 from ling2.layers.model import count_params
-from ling2.layers.sharding import use_mesh
+from ling2.layers.spec import ModelSpec
 from ling2.train import hooks
 from ling2.train import step as step_lib
 from ling2.train.eval import Evaluator
@@ -70,7 +70,7 @@ def compile_train_step(cfg, mesh, setup: TrainSetup, phases: dict | None = None)
     `abstract_state`) and an abstract batch: nothing is materialised. `phases`, if given, gets the
     lowering's seconds and the host's peak RSS once lowered (before XLA compiles)."""
     step_fn = step_lib.jit_train_step(setup.graphdef, setup.tx, cfg, setup.schedule)
-    with use_mesh(mesh, cfg.logical_axis_rules):
+    with jax.set_mesh(mesh):
         t0 = time.perf_counter()
         lowered = step_fn.lower(setup.state, abstract_batch(cfg, mesh))
         if phases is not None:
@@ -264,7 +264,8 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
 
     train_iter, ckpt, resume = _open(cfg, run_dir, mesh, make_iter, log)
     setup = abstract_state(cfg, mesh)
-    log(f"model: {cfg.model_name}, {count_params(cfg)['total'] / 1e6:.2f}M params, mesh {dict(mesh.shape)}")
+    params = count_params(ModelSpec.of(cfg))["total"]
+    log(f"model: {cfg.model_name}, {params / 1e6:.2f}M params, mesh {dict(mesh.shape)}")
     step_fn = step_lib.jit_train_step(setup.graphdef, setup.tx, cfg, setup.schedule)
     start, gp = resume or 0, goodput_lib.Goodput()
     state = _initial_state(cfg, run_dir, mesh, setup, ckpt, resume, train_iter, gp, log)
@@ -282,7 +283,7 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
             ckpt.close()
 
     nonfinite = _NonFinite(max_consecutive_skips, log, close)
-    with _StopRequests(log) as stop, use_mesh(mesh, cfg.logical_axis_rules):
+    with _StopRequests(log) as stop, jax.set_mesh(mesh):
         step = start
         while step < cfg.steps and not stop(step, stop_after):
             with gp.timed("data_wait"):

@@ -9,6 +9,7 @@ import jax
 import optax
 
 from ling2.layers.model import param_roles
+from ling2.layers.spec import ModelSpec
 
 
 def lr_schedule(cfg):
@@ -33,8 +34,8 @@ def lr_schedule(cfg):
 
 def decay_mask(params, cfg):
     """True where weight decay applies: a pytree like `params` (Ling2Model state paths, nnx.State or
-    pure dict). Raises ValueError for a parameter that is not part of Ling2Model(cfg)."""
-    roles = {tuple(map(str, p)): r for p, r in param_roles(cfg).items()}
+    pure dict). Raises ValueError for a parameter that is not part of the Ling2Model of `cfg`."""
+    roles = {tuple(map(str, p)): r for p, r in param_roles(ModelSpec.of(cfg)).items()}
 
     def decayed(path, x):
         key = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)

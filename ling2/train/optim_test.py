@@ -12,6 +12,7 @@ from ling2.config import load_config
 from ling2.layers.model import abstract_model
 from ling2.train.optim import decay_mask, lr_schedule
 from ling2.train.state import trainable_filter
+from ling2.layers.spec import ModelSpec
 
 
 def test_warmup_then_cosine():
@@ -47,7 +48,7 @@ def test_wsm_is_warmup_then_constant_past_the_end():
 
 def _mask_leaves(cfg) -> dict:
     """{path: bool} of the decay mask over the real model's trainable state."""
-    _, params, _ = nnx.split(abstract_model(cfg), trainable_filter(cfg), ...)
+    _, params, _ = nnx.split(abstract_model(ModelSpec.of(cfg)), trainable_filter(cfg), ...)
     mask = decay_mask(nnx.to_pure_dict(params), cfg)
     return {tuple(map(str, p)): m for p, m in flat(mask).items()}
 
@@ -88,7 +89,7 @@ def test_adam_first_moment_dtype(mu_dtype):
     cfg = load_config(model_name="ling2-micro", steps=10, learning_rate=0.5, warmup_steps_fraction=0.0,
                       lr_schedule="constant", adam_weight_decay=0.0, gradient_clipping_threshold=0.0,
                       mu_dtype=mu_dtype)
-    _, abstract, _ = nnx.split(abstract_model(cfg), trainable_filter(cfg), ...)
+    _, abstract, _ = nnx.split(abstract_model(ModelSpec.of(cfg)), trainable_filter(cfg), ...)
     params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract)
     rng = np.random.default_rng(0)
     grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)

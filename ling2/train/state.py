@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ling2.checkpoint.state import load_into
 from ling2.layers.model import Ling2Model
 from ling2.layers.moe.router import RoutedBias
-from ling2.layers.sharding import use_mesh
+from ling2.layers.spec import ModelSpec
 from ling2.train.optim import make_optimizer
 from ling2.train.runtime import state_shardings
 
@@ -53,8 +53,8 @@ def trainable_filter(cfg):
     return nnx.Any(nnx.Param, RoutedBias) if cfg.enable_routed_bias_grad else nnx.Param
 
 
-def _build(cfg, seed: int):
-    model = Ling2Model(cfg, rngs=nnx.Rngs(seed))
+def _build(cfg, mesh, seed: int):
+    model = Ling2Model(ModelSpec.of(cfg, mesh), rngs=nnx.Rngs(seed))
     return nnx.split(model, trainable_filter(cfg), ...)
 
 
@@ -69,7 +69,7 @@ def abstract_state(cfg, mesh) -> TrainSetup:
 
     Optimizer state per parameter (Adam's moments: optax rebuilds the params' Variables, names
     included) is sharded as its parameter; counters are replicated."""
-    gd, params, rest = jax.eval_shape(functools.partial(_build, cfg, cfg.seed))
+    gd, params, rest = jax.eval_shape(functools.partial(_build, cfg, mesh, cfg.seed))
     tx, sched = make_optimizer(cfg, params)
     replicated = NamedSharding(mesh, PartitionSpec())
     params = _with_shardings(params, state_shardings(params, mesh, cfg.logical_axis_rules))
@@ -98,10 +98,10 @@ def init_state(cfg, mesh, setup: TrainSetup) -> TrainState:
 
     @functools.partial(jax.jit, out_shardings=shardings)
     def make():
-        _, p, r = _build(cfg, cfg.seed)
+        _, p, r = _build(cfg, mesh, cfg.seed)
         return p, r
 
-    with use_mesh(mesh, cfg.logical_axis_rules):
+    with jax.set_mesh(mesh):
         params, rest = make()
     opt_state = jax.jit(setup.tx.init, out_shardings=jax.tree.map(lambda x: x.sharding, abstract.opt_state))(params)
     step, skipped, skipped_total = _counters(mesh)

@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 
 from ling2.layers.model import update_expert_biases
+from ling2.layers.spec import ModelSpec
 from ling2.layers.mtp import depth_token_counts
 from ling2.train.optim import updates_applied
 from ling2.train.state import TrainState
@@ -93,7 +94,7 @@ def train_step(graphdef, tx, cfg, state: TrainState, batch: dict, lr_fn):
 
     rest = state.rest
     if cfg.routed_bias:  # on skipped steps too (their counts are finite); in params or rest, per `trainable_filter`
-        params, rest = (update_expert_biases(tree, sums["moe_counts"], cfg) for tree in (params, rest))
+        params, rest = (update_expert_biases(tree, sums["moe_counts"], ModelSpec.of(cfg)) for tree in (params, rest))
 
     skipped = jnp.where(finite, 0, state.skipped + 1)
     new_state = TrainState(step=state.step + 1, params=params, rest=rest, opt_state=opt_state, skipped=skipped,

@@ -20,6 +20,7 @@ from ling2.train import step as S
 from ling2.layers.model import Ling2Model
 from ling2.train.state import TrainState, trainable_filter
 from ling2.train.optim import make_optimizer
+from ling2.layers.spec import ModelSpec
 
 MICRO = dict(model_name="ling2-micro", mtp_num_layers=0, vocab_size=128, max_target_length=16, warmup_steps_fraction=0.0,
              lr_schedule="constant", gradient_clipping_threshold=0.0, adam_weight_decay=0.0)
@@ -27,7 +28,7 @@ MICRO = dict(model_name="ling2-micro", mtp_num_layers=0, vocab_size=128, max_tar
 
 def make(**kw):
     cfg = load_config(**{**MICRO, **kw})
-    model = Ling2Model(cfg, rngs=nnx.Rngs(0))
+    model = Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
     gd, params, rest = nnx.split(model, trainable_filter(cfg), ...)
     tx, sched = make_optimizer(cfg, params)
     z = lambda: jnp.zeros((), jnp.int32)
@@ -122,13 +123,13 @@ def test_bias_update_moves_each_row_of_a_scanned_stack_by_its_layer_counts():
     """A scanned group stacks its layers' biases [n, E]: row g is moved by layer g's counts alone."""
     cfg = load_config(**{**MICRO, "model_name": "ling2-tiny", "base_num_decoder_layers": 15, "scan_layers": True,
                          "routed_bias_update_rate": 0.01})
-    model = Ling2Model(cfg, rngs=nnx.Rngs(0))
+    model = Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
     gd, params, rest = nnx.split(model, trainable_filter(cfg), ...)
     before = [(np.asarray(v[...]), idx) for v, idx in model.expert_biases()]
     assert any(len(idx) > 1 for _, idx in before)
     r = np.random.default_rng(0)
     counts = {i: jnp.asarray(r.integers(0, 50, cfg.num_experts), jnp.float32) for _, idx in before for i in idx}
-    moved = nnx.merge(gd, *(S.update_expert_biases(t, counts, cfg) for t in (params, rest)))
+    moved = nnx.merge(gd, *(S.update_expert_biases(t, counts, ModelSpec.of(cfg)) for t in (params, rest)))
     for (old, idx), (var, _) in zip(before, moved.expert_biases()):
         rows = old.reshape(len(idx), -1)
         want = np.stack([update_routed_bias(jnp.asarray(rows[g]), counts[i], 0.01, cfg.routed_bias_zero_mean_update)

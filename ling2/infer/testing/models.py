@@ -8,6 +8,7 @@ from flax import nnx
 from ling2.config import load_config
 from ling2.infer.load import INFER_OVERRIDES
 from ling2.layers.model import Ling2Model
+from ling2.layers.spec import ModelSpec
 
 # init_std 0.1: peaked next-token distributions, so greedy argmaxes are far from ties.
 MICRO = {"model_name": "ling2-micro", "init_std": 0.1}
@@ -20,7 +21,7 @@ def micro(**overrides):
     """(cfg, model) of ling2-micro (one GLA + dense layer, one MLA + MoE layer, MTP) as inference builds it
     (INFER_OVERRIDES), then `overrides`."""
     cfg = load_config(MICRO, INFER_OVERRIDES, overrides)
-    return cfg, Ling2Model(cfg, rngs=nnx.Rngs(0))
+    return cfg, Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
 
 
 def prompts(vocab: int, lengths, seed: int = 0) -> list[np.ndarray]:

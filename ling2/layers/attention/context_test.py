@@ -17,7 +17,6 @@ from ling2.config.schema import MESH_AXES
 from ling2.config.specs import KDASpec, MLASpec
 from ling2.layers.attention import kda as attention_kda
 from ling2.layers.attention import mla as attention_mla
-from ling2.layers.sharding import use_mesh
 
 T = 128
 
@@ -75,8 +74,9 @@ def test_mla_under_context_parallelism_equals_one_device(kernel, sizes):
     x, pos, seg = inputs(cfg.base_emb_dim, T=t)
     ref = out_and_grads(attention_mla.MLA(MLASpec.of(cfg), rngs=nnx.Rngs(0)), x, pos, seg)
     cfg = mla_cfg(t, attention_kernel=kernel, attention_block_size=128 if kernel == "flash" else 16)
-    layer = attention_mla.MLA(MLASpec.of(cfg), rngs=nnx.Rngs(0))
-    with use_mesh(mesh(**sizes), cfg.logical_axis_rules):
+    m = mesh(**sizes)
+    layer = attention_mla.MLA(MLASpec.of(cfg, m), rngs=nnx.Rngs(0))
+    with jax.set_mesh(m):
         got = out_and_grads(layer, x, pos, seg)
     compare(ref, got, 2e-5)
 
@@ -86,8 +86,9 @@ def test_mla_context_gathers_latents_not_keys():
     values per token here), never the per-head keys and values (4 heads x (14 + 5))."""
     cfg = mla_cfg(attention_kernel="blocked")
     x, pos, seg = inputs(cfg.base_emb_dim)
-    layer = attention_mla.MLA(MLASpec.of(cfg), rngs=nnx.Rngs(0))
-    with use_mesh(mesh(context=8), cfg.logical_axis_rules):
+    m = mesh(context=8)
+    layer = attention_mla.MLA(MLASpec.of(cfg, m), rngs=nnx.Rngs(0))
+    with jax.set_mesh(m):
         hlo = jax.jit(lambda m, x: m(x, pos, seg, layer_index=0)).lower(layer, x).compile().as_text()
     gathers = [line for line in hlo.splitlines() if " all-gather(" in line or "all-gather-start(" in line]
     assert gathers
@@ -100,9 +101,10 @@ def test_kda_layer_under_context_parallelism_equals_one_device():
     cfg = load_config(model_name="ling3-tiny", base_emb_dim=32, max_target_length=T, kda_chunk_size=16,
                       init_std=0.2)
     x, pos, seg = inputs(cfg.base_emb_dim, seed=1)
-    layer = attention_kda.KimiDeltaAttention(KDASpec.of(cfg), rngs=nnx.Rngs(0))
-    ref = out_and_grads(layer, x, pos, seg)
+    ref = out_and_grads(attention_kda.KimiDeltaAttention(KDASpec.of(cfg), rngs=nnx.Rngs(0)), x, pos, seg)
     for sizes in (dict(context=4), dict(context=8), dict(context=2, tensor=2)):
-        with use_mesh(mesh(**sizes), cfg.logical_axis_rules):
+        m = mesh(**sizes)
+        layer = attention_kda.KimiDeltaAttention(KDASpec.of(cfg, m), rngs=nnx.Rngs(0))
+        with jax.set_mesh(m):
             got = out_and_grads(layer, x, pos, seg)
         compare(ref, got, 2e-5)

@@ -6,7 +6,7 @@
   out = (GroupRMSNorm(o as [B,T,H*D]) * sigmoid(x W_g)) W_dense          [B,T,E]
 
 Slopes are ALiBi-style per head, scaled per layer (`layer_slopes`); they are constants,
-not parameters. Under a mesh (`sharding.use_mesh`) the kernel runs inside `shard_map`,
+not parameters. On a mesh (the spec's `run.mesh_shape`) the kernel runs inside `shard_map`,
 batch split by the `activation_batch` rule and heads by `activation_heads`; with the sequence
 split by `activation_length` (a context axis) each device runs its shard through
 `simple_gla_cp`, which passes the state across shard edges.
@@ -56,16 +56,16 @@ def layer_slopes(num_heads: int, layer_idx: int, num_layers: int, offset: int = 
     return alibi_base_slopes(num_heads) * (1 - (layer_idx + offset) / (num_layers - 1) + 1e-5)
 
 
-def matmul_params(cfg) -> int:
+def matmul_params(spec: GLASpec) -> int:
     """Weights a token is multiplied by: qkv, g_proj and dense."""
-    return 5 * cfg.base_emb_dim * cfg.base_num_query_heads * cfg.head_dim
+    return 5 * spec.emb_dim * spec.num_query_heads * spec.head_dim
 
 
-def mixing_flops(cfg, seq_len: int) -> float:
+def mixing_flops(spec: GLASpec, seq_len: int) -> float:
     """Forward token-mixing FLOPs per token (chunked, chunk C): per head the state read q.S and
     update k^T v (4 D^2) plus the causal intra-chunk scores and their product with v (2 D C)."""
-    H, D = cfg.base_num_query_heads, cfg.head_dim
-    return H * (4 * D * D + 2 * D * min(cfg.gla_chunk_size, seq_len))
+    H, D = spec.num_query_heads, spec.head_dim
+    return H * (4 * D * D + 2 * D * min(spec.run.gla_chunk_size, seq_len))
 
 
 def hf_params(layout: str) -> list[tuple]:
@@ -106,9 +106,9 @@ class GatedLinearAttention(nnx.Module):
         L = spec.num_decoder_layers
         self.log_decays = tuple(tuple(float(-s) for s in layer_slopes(H, i, L, spec.gla_slope_layer_offset))
                                 for i in range(L))  # g_h = -slope_h of every layer index: constants
-        self.dtype, self.chunk_size, self.backend = spec.dtype, spec.gla_chunk_size, spec.gla_backend
-        self.fp8 = fp8.of(spec)
-        self.rules = sharding.rules_dict(spec.logical_axis_rules)
+        self.dtype, self.chunk_size, self.backend = spec.dtype, spec.run.gla_chunk_size, spec.run.gla_backend
+        self.fp8 = fp8.of(spec.run)
+        self.run = spec.run
 
     def _w(self, p):
         return p[...].astype(jnp.dtype(self.dtype))
@@ -119,7 +119,7 @@ class GatedLinearAttention(nnx.Module):
         axis, each device runs its shard by `simple_gla_cp` (training only: no initial or final state)."""
         g_names = ("activation_heads",) if g.ndim == 1 else ("activation_batch", "activation_length",
                                                                 "activation_heads")
-        cp = sharding.context_axes(q.shape[1], "gla")
+        cp = sharding.context_axes(self.run, q.shape[1], "gla")
         if cp is not None:
             if h0 is not None:
                 raise ValueError("gla: context parallelism splits training sequences; cached decoding (an initial "
@@ -130,7 +130,7 @@ class GatedLinearAttention(nnx.Module):
                                          backend=self.backend)
 
             names = (BTHD, BTHD, BTHD, g_names, ("activation_batch", "activation_length"))
-            return sharding.shard_map_by_names(run_cp, names, BTHD, self.rules)(q, k, v, g, seg), None
+            return sharding.shard_map_for(self.run, run_cp, names, BTHD)(q, k, v, g, seg), None
 
         def run(q, k, v, g, seg, *h0):
             return gla.simple_gla(q, k, v, g, segment_ids=seg, initial_state=h0[0] if h0 else None,
@@ -139,7 +139,7 @@ class GatedLinearAttention(nnx.Module):
         state = () if h0 is None else (h0,)
         g_names = tuple(None if n == "activation_length" else n for n in g_names)
         names = (BTHD_KERNEL, BTHD_KERNEL, BTHD_KERNEL, g_names, ("activation_batch", None))
-        return sharding.shard_map_by_names(run, names + (BHKV,) * len(state), (BTHD_KERNEL, BHKV), self.rules)(
+        return sharding.shard_map_for(self.run, run, names + (BHKV,) * len(state), (BTHD_KERNEL, BHKV))(
             q, k, v, g, seg, *state)
 
     def _qkv(self, x_BTE, positions_BT):
@@ -153,18 +153,18 @@ class GatedLinearAttention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope.apply_rotary(q, positions_BT, self.rotary_dim, inv_freq=self.inv_freq, scaling=self.rope_scaling)
         k = rope.apply_rotary(k, positions_BT, self.rotary_dim, inv_freq=self.inv_freq, scaling=self.rope_scaling)
-        q, k, v = (sharding.constrain(a, BTHD) for a in (q, k, v))
+        q, k, v = (sharding.constrain(a, BTHD, self.run) for a in (q, k, v))
         return x, q, k, v
 
     def _out(self, x, o_BTHD):
         """Group norm, the output gate and the dense projection: [B,T,E]."""
         B, T = o_BTHD.shape[:2]
-        o = sharding.constrain(o_BTHD, BTHD)
+        o = sharding.constrain(o_BTHD, BTHD, self.run)
         o = self.g_norm(o.reshape(B, T, self.H * self.D)).reshape(B, T, self.H, self.D)
         gate = jax.nn.sigmoid(fp8.einsum("bte,ehd->bthd", x, self._w(self.g_proj), self.fp8).astype(jnp.float32))
         o = (o.astype(jnp.float32) * gate).astype(x.dtype)
         out = fp8.einsum("bthd,hde->bte", o, self._w(self.dense), self.fp8)
-        return sharding.constrain(out, ("activation_batch", "activation_length", "activation_embed"))
+        return sharding.constrain(out, ("activation_batch", "activation_length", "activation_embed"), self.run)
 
     def decay(self, layer_index):
         """The layer's fp32 log-decays [H]; `layer_index` may be traced (a layer of a scanned group)."""

@@ -14,7 +14,6 @@ from flax import nnx
 
 from ling2.config import load_config
 from ling2.kernels.testing import fla_reference
-from ling2.layers import sharding
 from ling2.layers.attention import decode
 from ling2.layers.attention.gla import GatedLinearAttention, alibi_base_slopes, layer_slopes
 from ling2.config.specs import GLASpec
@@ -165,7 +164,8 @@ def test_sharded_layer_matches_single_device(backend):
     axes = ("data", "fsdp", "expert", "tensor")
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(2, 1, 1, 2), axes,
                              axis_types=(jax.sharding.AxisType.Auto,) * 4)
-    with sharding.use_mesh(mesh, cfg.logical_axis_rules):
+    layer = GatedLinearAttention(GLASpec.of(cfg, mesh), rngs=nnx.Rngs(0))
+    with jax.set_mesh(mesh):
         jaxpr = str(jax.make_jaxpr(lambda x: layer(x, pos, seg, layer_index=2))(x))
         got, got_grads = out_and_grad(layer, x)
     assert "shard_map" in jaxpr

@@ -31,17 +31,18 @@ from ling2.layers.attention.decode import take_rows, where_rows
 L2_EPS = 1e-6  # the reference's q/k L2-norm eps, whatever rms_norm_eps is
 
 
-def matmul_params(cfg) -> int:
+def matmul_params(spec: KDASpec) -> int:
     """Weights a token is multiplied by: q, k, v, f, g projections, b_proj and dense."""
-    E, H, D = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.head_dim
+    E, H, D = spec.emb_dim, spec.num_query_heads, spec.head_dim
     return 6 * E * H * D + E * H
 
 
-def mixing_flops(cfg, seq_len: int) -> float:
+def mixing_flops(spec: KDASpec, seq_len: int) -> float:
     """Forward token-mixing FLOPs per token (chunked, chunk C), per head: the state read, decay and
     delta update (6 D^2), the intra-chunk q.k / k.k scores and their products with v (4 D C), the
     short conv (6 D K)."""
-    H, D, C, K = cfg.base_num_query_heads, cfg.head_dim, min(cfg.kda_chunk_size, seq_len), cfg.kda_conv_kernel_size
+    H, D, K = spec.num_query_heads, spec.head_dim, spec.kda_conv_kernel_size
+    C = min(spec.run.kda_chunk_size, seq_len)
     return H * (6 * D * D + 4 * D * C + 6 * D * K)
 
 
@@ -133,9 +134,9 @@ class KimiDeltaAttention(nnx.Module):
         self.o_norm = norms.RMSNorm(D, eps=spec.normalization_layer_epsilon, param_dtype=wdt)
         self.dense = param((H, D, E), ("heads", "kv", "embed"))
         self.safe_gate, self.lower_bound = spec.kda_safe_gate, float(spec.kda_lower_bound)
-        self.dtype, self.chunk_size, self.backend = spec.dtype, spec.kda_chunk_size, spec.kda_backend
-        self.fp8 = fp8.of(spec)
-        self.rules = sharding.rules_dict(spec.logical_axis_rules)
+        self.dtype, self.chunk_size, self.backend = spec.dtype, spec.run.kda_chunk_size, spec.run.kda_backend
+        self.fp8 = fp8.of(spec.run)
+        self.run = spec.run
 
     def _w(self, p):
         return p[...].astype(jnp.dtype(self.dtype))
@@ -153,7 +154,7 @@ class KimiDeltaAttention(nnx.Module):
         """kda (h0 None: zero state); under a mesh inside shard_map with batch and heads split. With the
         sequence split over a context axis, each device runs its shard by `kda_cp` (training only)."""
         BHKV = ("activation_batch", "activation_heads", None, None)
-        cp = sharding.context_axes(q.shape[1], "kda")
+        cp = sharding.context_axes(self.run, q.shape[1], "kda")
         if cp is not None:
             if h0 is not None:
                 raise ValueError("kda: context parallelism splits training sequences; cached decoding (an initial "
@@ -165,7 +166,7 @@ class KimiDeltaAttention(nnx.Module):
 
             BTHD = ("activation_batch", "activation_length", "activation_heads", None)
             names = (BTHD, BTHD, BTHD, BTHD, BTHD[:3], BTHD[:2])
-            return sharding.shard_map_by_names(run_cp, names, BTHD, self.rules)(q, k, v, g, beta, seg), None
+            return sharding.shard_map_for(self.run, run_cp, names, BTHD)(q, k, v, g, beta, seg), None
 
         def run(q, k, v, g, beta, seg, *h0):
             return kda.kda(q, k, v, g, beta, segment_ids=seg, initial_state=h0[0] if h0 else None,
@@ -174,7 +175,7 @@ class KimiDeltaAttention(nnx.Module):
         state = () if h0 is None else (h0,)
         BTHD = ("activation_batch", None, "activation_heads", None)
         names = (BTHD, BTHD, BTHD, BTHD, ("activation_batch", None, "activation_heads"), ("activation_batch", None))
-        return sharding.shard_map_by_names(run, names + (BHKV,) * len(state), (BTHD, BHKV), self.rules)(
+        return sharding.shard_map_for(self.run, run, names + (BHKV,) * len(state), (BTHD, BHKV))(
             q, k, v, g, beta, seg, *state)
 
     def _conv_weight(self):
@@ -196,17 +197,17 @@ class KimiDeltaAttention(nnx.Module):
         y = jax.nn.silu(y_BTC).reshape(B, T, 3, self.H, self.D)
         q, k, v = l2_normalize(y[:, :, 0]), l2_normalize(y[:, :, 1]), y[:, :, 2]
         names = ("activation_batch", "activation_length", "activation_heads", None)
-        q, k, v = (sharding.constrain(a, names) for a in (q, k, v))
+        q, k, v = (sharding.constrain(a, names, self.run) for a in (q, k, v))
         beta = jax.nn.sigmoid(jnp.einsum("bte,eh->bth", x, self._w(self.b_proj)).astype(jnp.float32))
         return q, k, v, self.gate(x), beta
 
     def _out(self, x, o_BTHD):
         """Output norm, gate and dense projection: [B,T,E]."""
-        o = sharding.constrain(o_BTHD, ("activation_batch", "activation_length", "activation_heads", None))
+        o = sharding.constrain(o_BTHD, ("activation_batch", "activation_length", "activation_heads", None), self.run)
         gate = jax.nn.sigmoid(fp8.einsum("bte,ehd->bthd", x, self._w(self.g_proj), self.fp8).astype(jnp.float32))
         o = (self.o_norm(o.astype(jnp.float32)) * gate).astype(x.dtype)
         out = fp8.einsum("bthd,hde->bte", o, self._w(self.dense), self.fp8)
-        return sharding.constrain(out, ("activation_batch", "activation_length", "activation_embed"))
+        return sharding.constrain(out, ("activation_batch", "activation_length", "activation_embed"), self.run)
 
     def __call__(self, x_BTE, positions_BT=None, segment_ids_BT=None, *, layer_index=None):
         """Training forward: out [B,T,E], the conv window and the state restarting at every segment.

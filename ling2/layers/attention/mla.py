@@ -20,7 +20,6 @@ writing past the cache's end turns the output into NaN.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx, struct
 
 from ling2.config.specs import MLASpec
@@ -42,18 +41,19 @@ def deinterleave(x):
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
-def splash_context_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, rules, *, interpret=None, block=512):
+def splash_context_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, run, *, interpret=None, block=512):
     """Splash attention with the queries split over the context axis and the keys whole on every device
-    (inside `use_mesh`): one kernel for the whole [T, T] causal mask built with `q_seq_shards` = the context
+    (on the mesh of `run`, a RunSpec): one kernel for the whole [T, T] causal mask built with `q_seq_shards` = the
+    context
     size, its mask blocks split with the queries (`manual_sharding_spec`), so each device skips the blocks
     above the diagonal of its own rows. Needs T / context to be a multiple of the block."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     B, T, H, _ = q_BTHK.shape
-    mesh = jax.sharding.get_abstract_mesh()
-    heads, seq = sharding.dim_axes("activation_heads", H), sharding.dim_axes("activation_length", T)
-    head_shards, n = (int(np.prod([mesh.shape[a] for a in axes])) for axes in (heads, seq))
+    mesh = sharding.mesh_of(run)
+    heads, seq = sharding.dim_axes(run, "activation_heads", H), sharding.dim_axes(run, "activation_length", T)
+    head_shards, n = sharding.dim_shards(run, "activation_heads", H), sharding.dim_shards(run, "activation_length", T)
     bq, bkv = min(block, T // n), min(block, T)
     if (T // n) % bq or T % bkv:
         raise ValueError(f"attention_kernel=flash: a context shard of {T // n} positions must be a multiple of the "
@@ -72,13 +72,13 @@ def splash_context_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, rules, *
         return o.swapaxes(1, 2)
 
     def attend(interp):
-        def run(q, k, v, seg):
+        def call(q, k, v, seg):
             kernel = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=head_shards, q_seq_shards=n,
                                         interpret=interp)
             names = (kernel.manual_sharding_spec(split), BTHD, BSHD, BSHD, ("activation_batch", "activation_length"),
                      ("activation_batch", None))
-            return sharding.shard_map_by_names(body, names, BTHD, rules)(kernel, q, k, v, seg, seg)
-        return run
+            return sharding.shard_map_for(run, body, names, BTHD)(kernel, q, k, v, seg, seg)
+        return call
 
     q = (q_BTHK.astype(jnp.float32) * scale).astype(q_BTHK.dtype)
     seg = segment_BT.astype(jnp.int32)
@@ -89,19 +89,19 @@ def splash_context_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, rules, *
     return o.astype(q_BTHK.dtype)
 
 
-def matmul_params(cfg) -> int:
+def matmul_params(spec: MLASpec) -> int:
     """Weights a token is multiplied by: the q path, kv_a, kv_b and dense."""
-    E, H = cfg.base_emb_dim, cfg.base_num_query_heads
-    Rq, Rkv, Dqk, Dv, Dr = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
+    E, H = spec.emb_dim, spec.num_query_heads
+    Rq, Rkv, Dqk, Dv, Dr = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_head_dim, spec.v_head_dim, spec.qk_rope_head_dim
     q = E * Rq + Rq * H * Dqk if Rq else E * H * Dqk
-    gate = E * H if cfg.mla_output_gate else 0
-    return q + E * (Rkv + Dr) + Rkv * H * (cfg.qk_nope_head_dim + Dv) + H * Dv * E + gate
+    gate = E * H if spec.mla_output_gate else 0
+    return q + E * (Rkv + Dr) + Rkv * H * (spec.qk_nope_head_dim + Dv) + H * Dv * E + gate
 
 
-def mixing_flops(cfg, seq_len: int) -> float:
+def mixing_flops(spec: MLASpec, seq_len: int) -> float:
     """Forward attention FLOPs per token: causal softmax attention over seq_len tokens, the mean
     context being seq_len/2: 2 H (qk_head_dim + v_head_dim) seq_len/2."""
-    return 2 * cfg.base_num_query_heads * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len / 2
+    return 2 * spec.num_query_heads * (spec.qk_head_dim + spec.v_head_dim) * seq_len / 2
 
 
 def hf_params(layout: str) -> list[tuple]:
@@ -148,13 +148,13 @@ class MLA(nnx.Module):
         if spec.mla_output_gate:
             self.g_proj = param((E, H), ("embed", "heads"))
         self.output_gate = spec.mla_output_gate
-        self.dtype, self.kernel, self.interleaved = spec.dtype, spec.attention_kernel, spec.mla_interleaved_rope
-        self.fp8 = fp8.of(spec)
-        self.block = spec.attention_block_size
+        self.dtype, self.kernel, self.interleaved = spec.dtype, spec.run.attention_kernel, spec.mla_interleaved_rope
+        self.fp8 = fp8.of(spec.run)
+        self.block = spec.run.attention_block_size
         self.inv_freq = tuple(float(f) for f in yarn.rope_inv_freq(spec))
         self.rope_scaling = yarn.rope_attention_scaling(spec)
         self.scale = yarn.mla_softmax_scale(spec)
-        self.rules = sharding.rules_dict(spec.logical_axis_rules)
+        self.run = spec.run
 
     def _w(self, p):
         return p[...].astype(jnp.dtype(self.dtype))
@@ -168,7 +168,7 @@ class MLA(nnx.Module):
             q_BTHK = fp8.einsum("btr,rhk->bthk", q_a, self._w(self.q_b), self.fp8)
         else:
             q_BTHK = fp8.einsum("bte,ehk->bthk", x, self._w(self.q), self.fp8)
-        q_BTHK = constrain(q_BTHK, ("activation_batch", "activation_length", "activation_heads", None))
+        q_BTHK = constrain(q_BTHK, ("activation_batch", "activation_length", "activation_heads", None), self.run)
         kv_a = fp8.einsum("bte,er->btr", x, self._w(self.kv_a), self.fp8)
         c_kv = self.kv_a_norm(kv_a[..., :self.Rkv])
         q_rope, k_rope = q_BTHK[..., self.Dn:], kv_a[..., None, self.Rkv:]
@@ -186,7 +186,7 @@ class MLA(nnx.Module):
         k_BSHK = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope_BSR[:, :, None], (*k_nope.shape[:3], self.Dr))],
                                  axis=-1)
         names = ("activation_batch", length, "activation_heads", None)
-        return constrain(k_BSHK, names), constrain(v_BSHV, names)
+        return constrain(k_BSHK, names, self.run), constrain(v_BSHV, names, self.run)
 
     def absorbed(self, q_BTHK, c_kv_BSC, k_rope_BSR, mask_BTS):
         """Attention against latents without expanding them: o [B,T,H,v].
@@ -214,13 +214,13 @@ class MLA(nnx.Module):
 
     def _out(self, x_BTE, o_BTHV):
         """The output gate (Ling 3) and the dense projection: [B,T,E]."""
-        o_BTHV = constrain(o_BTHV, ("activation_batch", "activation_length", "activation_heads", None))
+        o_BTHV = constrain(o_BTHV, ("activation_batch", "activation_length", "activation_heads", None), self.run)
         if self.output_gate:
             x = x_BTE.astype(jnp.dtype(self.dtype))
             gate = jax.nn.sigmoid(jnp.einsum("bte,eh->bth", x, self._w(self.g_proj)).astype(jnp.float32))
             o_BTHV = (o_BTHV.astype(jnp.float32) * gate[..., None]).astype(o_BTHV.dtype)
         out = fp8.einsum("bthv,hve->bte", o_BTHV, self._w(self.dense), self.fp8)
-        return constrain(out, ("activation_batch", "activation_length", "activation_embed"))
+        return constrain(out, ("activation_batch", "activation_length", "activation_embed"), self.run)
 
     def __call__(self, x_BTE, positions_BT, segment_ids_BT=None, *, layer_index=None):
         """Training forward: out [B,T,E], causal within each segment. `layer_index`: unused (MLA layers
@@ -229,7 +229,7 @@ class MLA(nnx.Module):
         q_BTHK, c_kv, k_rope = self.project(x_BTE, positions_BT)
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
-        cp = sharding.context_axes(T, "mla")
+        cp = sharding.context_axes(self.run, T, "mla")
         if cp is not None:
             return self._out(x_BTE, self._attend_context(q_BTHK, c_kv, k_rope, segment_ids_BT))
         k_BSHK, v_BSHV = self.expand(c_kv, k_rope)
@@ -242,20 +242,20 @@ class MLA(nnx.Module):
         `context_attention`: cuDNN's fused kernel takes equal q and kv lengths only)."""
         B, T = segment_ids_BT.shape
         whole = ("activation_batch", None, None)
-        k_BSHK, v_BSHV = self.expand(constrain(c_kv_BTC, whole), constrain(k_rope_BTR, whole), length=None)
+        c_kv_BTC, k_rope_BTR = constrain(c_kv_BTC, whole, self.run), constrain(k_rope_BTR, whole, self.run)
+        k_BSHK, v_BSHV = self.expand(c_kv_BTC, k_rope_BTR, length=None)
         index_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         split, BTHD = ("activation_batch", "activation_length"), ("activation_batch", "activation_length",
                                                                   "activation_heads", None)
         BSHD = ("activation_batch", None, "activation_heads", None)
 
         if self.kernel == "flash":
-            return splash_context_attention(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, self.scale, self.rules)
+            return splash_context_attention(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, self.scale, self.run)
 
         def body(q, k, v, index, seg, kv_seg):
             return context_attention(q, k, v, index, seg, kv_seg, self.scale, self.block)
 
-        f = sharding.shard_map_by_names(body, (BTHD, BSHD, BSHD, split, split, ("activation_batch", None)), BTHD,
-                                        self.rules)
+        f = sharding.shard_map_for(self.run, body, (BTHD, BSHD, BSHD, split, split, ("activation_batch", None)), BTHD)
         return f(q_BTHK, k_BSHK, v_BSHV, index_BT, segment_ids_BT, segment_ids_BT)
 
     # ---- cached decoding (ling2.layers.attention.decode) ----

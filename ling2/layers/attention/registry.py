@@ -7,7 +7,7 @@ Each entry holds what the rest of Ling2 needs of a kind:
                                      (init_cache, prefill, step, accept, unpack); `layer_index` is the
                                      global index, traced in a scanned group, for kinds whose constants
                                      depend on it (GLA's decays);
-  matmul_params(cfg), mixing_flops(cfg, seq_len)   its FLOP count (`ling2.layers.model`);
+  matmul_params(spec), mixing_flops(spec, seq_len) its FLOP count (`ling2.layers.model`);
   cache                              the type its init_cache returns;
   hf_params(layout)                  its weights' HF names (`ling2.convert.mapping`);
   packed_prefill                     whether its cache can unpack packed prompt rows (`unpack`): generation

@@ -28,7 +28,7 @@ def test_kind_entry_is_complete_and_consistent(kind, layout):
     module = nnx.eval_shape(lambda: entry.module(spec, rngs=nnx.Rngs(0)))
     assert isinstance(module, CachedAttention)  # init_cache, prefill, step, accept, unpack
     assert isinstance(nnx.eval_shape(lambda: module.init_cache(2, 8)), entry.cache)
-    assert entry.matmul_params(cfg) > 0 and entry.mixing_flops(cfg, 64) > 0
+    assert entry.matmul_params(spec) > 0 and entry.mixing_flops(spec, 64) > 0
     weights = {("attention",) + tuple(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(module, nnx.Param))}
     mapped = {tuple(map(str, sub)) for _, sub, *_ in entry.hf_params(layout)}
     assert weights and weights <= mapped, sorted(weights - mapped)

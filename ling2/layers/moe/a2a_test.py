@@ -139,5 +139,6 @@ def test_recv_rows():
     assert moe_ep.recv_rows(1000, 8, 1.25) == 1256  # a multiple of 8
     assert moe_ep.recv_rows(1000, 2, 4.0) == 2000  # never more than every row
     with pytest.raises(ValueError, match="moe_ep_all_to_all"):
-        spec = dataclasses.replace(MoESpec.of(load_config(model_name="ling2-tiny")), moe_ep_all_to_all="fast")
+        spec = MoESpec.of(load_config(model_name="ling2-tiny"))
+        spec = dataclasses.replace(spec, run=dataclasses.replace(spec.run, moe_ep_all_to_all="fast"))
         moe_plan.moe_plan(spec, {"data": 2, "expert": 4}, "cpu", tokens=4096, model_dim=128)

@@ -42,6 +42,13 @@ def moe_case(cfg, gmm, tokens, skew=0.0):
     return m, x, ct, nnx.jit(loss_and_grads)
 
 
+def for_mesh(m, cfg, mesh):
+    """The layer `m` built for `mesh` (its spec's run carries the mesh), with m's weights and expert bias."""
+    on_mesh = MoE(MoESpec.of(cfg, mesh), rngs=nnx.Rngs(0), gmm=m.gmm)
+    nnx.update(on_mesh, nnx.state(m))
+    return on_mesh
+
+
 def assert_same(one, mesh_run, nonzero_grads=False):
     """Outputs, expert counts and every gradient of a mesh step equal the one-device step's."""
     (y1, c1, gm1, gx1), (y8, c8, gm8, gx8) = one, mesh_run
@@ -66,8 +73,9 @@ def test_ep_forward_and_grads_equal_single_device(gmm, data, expert, fsdp, monke
     traced = []
     real = moe_ep.dropless_ep
     monkeypatch.setattr(moe_ep, "dropless_ep", lambda *a, **k: traced.append(1) or real(*a, **k))
-    with jax.set_mesh(make_mesh(data=data, expert=expert, fsdp=fsdp)):
-        mesh_run = step(m, x, ct)
+    mesh = make_mesh(data=data, expert=expert, fsdp=fsdp)
+    with jax.set_mesh(mesh):
+        mesh_run = step(for_mesh(m, cfg, mesh), x, ct)
     assert traced  # the mesh step retraced and took the shard_map path
     assert_same(one, mesh_run, nonzero_grads=True)
 
@@ -82,10 +90,11 @@ def test_tensor_parallel_experts_without_expert_axis_are_partitioned_by_xla(monk
     step = nnx.jit(loss_and_grads)
     y1, _, gm1, gx1 = step(m, x, ct)
     monkeypatch.setattr(moe_ep, "dropless_ep", lambda *a, **k: pytest.fail("took the shard_map path"))
-    with jax.set_mesh(make_mesh(data=4, expert=1, tensor=2)):
-        y8, _, gm8, gx8 = step(m, x, ct)
+    mesh = make_mesh(data=4, expert=1, tensor=2)
+    with jax.set_mesh(mesh):
+        y8, _, gm8, gx8 = step(for_mesh(m, cfg, mesh), x, ct)
         with pytest.raises(ValueError, match="megablox: a tensor-parallel mesh"):
-            step(MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0), gmm="megablox"), x, ct)
+            step(MoE(MoESpec.of(cfg, mesh), rngs=nnx.Rngs(0), gmm="megablox"), x, ct)
     np.testing.assert_allclose(y8, y1, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(gx8, gx1, rtol=1e-4, atol=1e-6)
     for (path, a), (_, b) in zip(nnx.to_flat_state(gm8), nnx.to_flat_state(gm1)):
@@ -95,9 +104,10 @@ def test_tensor_parallel_experts_without_expert_axis_are_partitioned_by_xla(monk
 def test_ep_needs_batch_sharded_over_expert_and_divisible_experts():
     cfg = load_config(model_name="ling2-tiny")
     x = jnp.zeros((2, 4, cfg.base_emb_dim))  # batch 2 cannot be split over expert=4
-    with jax.set_mesh(make_mesh(data=2, expert=4)):
+    mesh = make_mesh(data=2, expert=4)
+    with jax.set_mesh(mesh):
         with pytest.raises(ValueError, match="expert"):
-            MoE(MoESpec.of(cfg), rngs=nnx.Rngs(0))(x)
+            MoE(MoESpec.of(cfg, mesh), rngs=nnx.Rngs(0))(x)
     w = (jnp.zeros((6, 128, 8)),) * 2 + (jnp.zeros((6, 8, 128)),)
     with pytest.raises(ValueError, match="not divisible"):
         moe_ep.dropless_ep(jnp.zeros((8, 2, 128)), jnp.zeros((8, 2, 2), jnp.int32), jnp.zeros((8, 2, 2)), w,
@@ -121,8 +131,9 @@ def test_ragged_ep_layer_equals_single_device(expert, capacity, skew, monkeypatc
     kinds = []
     real = moe_ep._local_ragged
     monkeypatch.setattr(moe_ep, "_local_ragged", lambda *a, **k: kinds.append(k["emulated"]) or real(*a, **k))
-    with jax.set_mesh(make_mesh(data=8 // expert, expert=expert)):
-        mesh_run = step(m, x, ct)
+    mesh = make_mesh(data=8 // expert, expert=expert)
+    with jax.set_mesh(mesh):
+        mesh_run = step(for_mesh(m, cfg, mesh), x, ct)
     assert kinds == [True]  # the ragged body ran (emulated), once per trace
     # rows each expert shard receives against the bound: over it with the skew (most rows to the first
     # shard), within it otherwise (the ragged exchange itself ran)
@@ -139,8 +150,10 @@ def test_ep_layer_unchanged_by_single_sort(a2a, capacity, skew, monkeypatch):
     cfg = load_config(model_name="ling2-tiny", load_balance_loss_weight=0.01, moe_z_loss_weight=0.001,
                       moe_ep_all_to_all=a2a, moe_ep_capacity_factor=capacity)
     m, x, ct, _ = moe_case(cfg, "tiled", 16, skew)
+    mesh = make_mesh(data=2, expert=4)
+    m = for_mesh(m, cfg, mesh)
     run = lambda: nnx.jit(lambda m, x, ct: loss_and_grads(m, x, ct))(m, x, ct)  # a fresh trace per run
-    with jax.set_mesh(make_mesh(data=2, expert=4)):
+    with jax.set_mesh(mesh):
         new = run()
         monkeypatch.setattr(moe_ep.X, "invert", jnp.argsort)
         old = run()

@@ -40,7 +40,7 @@ class Mlp(nnx.Module):
     """Dense SwiGLU MLP, D -> width -> D (HF gate_proj/up_proj/down_proj, kernels stored [in, out])."""
 
     def __init__(self, spec: WeightsSpec, width: int, *, rngs: nnx.Rngs):
-        self.dtype, self.fp8 = jnp.dtype(spec.dtype), fp8.of(spec)
+        self.dtype, self.fp8 = jnp.dtype(spec.dtype), fp8.of(spec.run)
         self.gate_proj = _param(rngs, spec, (spec.emb_dim, width), ("embed", "mlp"))
         self.up_proj = _param(rngs, spec, (spec.emb_dim, width), ("embed", "mlp"))
         self.down_proj = _param(rngs, spec, (width, spec.emb_dim), ("mlp", "embed"))

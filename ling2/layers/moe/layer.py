@@ -4,9 +4,9 @@ Routing (ling2.layers.moe.router): fp32 gate, sigmoid or softmax scores, a selec
 expert bias, group-limited top-k, weights from the unbiased scores.
 Experts (ling2.layers.moe.experts): dropless sort + grouped matmul (`sparse_matmul`; with at
 most E assignments, as in decoding, each token's experts' weights gathered instead), or the
-dense one-hot path with `capacity_factor`. Under a mesh whose `expert` axis is > 1
-(`jax.set_mesh`, e.g. ling2.layers.sharding.use_mesh) the dropless path runs expert
-parallel (ling2.layers.moe.ep). The plan (`ling2.layers.moe.plan.moe_plan`) is the one place that decides
+dense one-hot path with `capacity_factor`. On a mesh whose `expert` axis is > 1 (the spec's
+`run.mesh_shape`) the dropless path runs expert parallel (ling2.layers.moe.ep). The plan
+(`ling2.layers.moe.plan.moe_plan`) is the one place that decides
 which, and which grouped matmul and exchange run on the platform lowered for.
 
 Everything the trainer needs comes back in `MoEAux`; nothing is sown or kept globally.
@@ -20,6 +20,7 @@ from flax import nnx, struct
 
 from ling2.config.specs import MoESpec, RouterSpec
 from ling2.kernels import fp8
+from ling2.layers import sharding
 from ling2.layers.moe import ep as moe_ep
 from ling2.layers.moe import experts as moe_experts
 from ling2.kernels.moe import gmm as moe_gmm
@@ -59,24 +60,24 @@ def bias_update(bias_E, counts_E, spec: RouterSpec):
     return update_routed_bias(bias_E, counts_E, spec.routed_bias_update_rate, spec.routed_bias_zero_mean_update)
 
 
-def matmul_params(cfg, active: bool = True) -> int:
+def matmul_params(spec: MoESpec, active: bool = True) -> int:
     """Router plus SwiGLU expert weights a token is multiplied by (`active`: its top-k routed experts;
     else all of them) plus the shared experts."""
-    E, N, F = cfg.base_emb_dim, cfg.num_experts, cfg.base_moe_mlp_dim
-    experts = cfg.num_experts_per_tok if active else N
-    return E * N + experts * 3 * E * F + 3 * E * cfg.shared_experts * cfg.shared_expert_dim
+    E, N, F = spec.emb_dim, spec.num_experts, spec.base_moe_mlp_dim
+    experts = spec.num_experts_per_tok if active else N
+    return E * N + experts * 3 * E * F + 3 * E * spec.shared_experts * spec.shared_expert_dim
 
 
 class MoE(nnx.Module):
     """Routed + shared SwiGLU experts. x_BSD -> (y_BSD, MoEAux).
 
     `gmm` picks the dropless grouped matmul: "ragged_dot", "tiled" (fast on CPU), "megablox", or
-    "auto"/None (moe_gmm_backend; "auto": chosen for the platform lowered for).
+    "auto"/None (run.moe_gmm_backend; "auto": chosen for the platform lowered for).
     """
 
     def __init__(self, spec: MoESpec, *, rngs: nnx.Rngs, gmm: str | None = None):
         self.spec = spec
-        self.gmm = gmm or spec.moe_gmm_backend
+        self.gmm = gmm or spec.run.moe_gmm_backend
         if self.gmm not in moe_gmm.GMMS:
             raise ValueError(f"gmm: unknown grouped matmul {self.gmm!r} (one of {moe_gmm.GMMS})")
         self.gate = moe_router.Router(spec, rngs=rngs)
@@ -105,10 +106,9 @@ class MoE(nnx.Module):
             lb_loss = spec.load_balance_loss_weight * moe_router.load_balance_loss(r.scores_TE, counts_E, valid_T)
 
         w = self.experts.weights(dtype)
-        gmm, q = self.gmm, fp8.of(spec)
+        gmm, q = self.gmm, fp8.of(spec.run)
         experts_BSK, weights_BSK = r.experts_TK.reshape(B, S, K), r.weights_TK.reshape(B, S, K)
-        mesh = jax.sharding.get_abstract_mesh()
-        mesh_shape = {} if mesh.empty else dict(mesh.shape)
+        mesh_shape = dict(spec.run.mesh_shape)
         plans = moe_plan.plans(spec, mesh_shape, tokens=T, model_dim=D, gmm=gmm)
         path = plans["default"].path
         if path == "dense_capacity":
@@ -116,8 +116,9 @@ class MoE(nnx.Module):
             dropped_BSK = ~kept_BSK if valid_BS is None else ~kept_BSK & valid_BS.astype(bool)[..., None]
             stats["dropped"] = dropped_BSK.astype(F32).sum()
         elif path in ("expert_parallel", "per_device"):
-            y_BSD = moe_ep.dropless_ep(x_BSD, experts_BSK, weights_BSK, w, mesh=mesh, rules=spec.logical_axis_rules,
-                                       plans=plans, q=q, capacity_factor=spec.moe_ep_capacity_factor)
+            y_BSD = moe_ep.dropless_ep(x_BSD, experts_BSK, weights_BSK, w, mesh=sharding.mesh_of(spec.run),
+                                       rules=spec.run.logical_axis_rules, plans=plans, q=q,
+                                       capacity_factor=spec.run.moe_ep_capacity_factor)
         elif path == "gathered":
             y_BSD = moe_experts.gathered(x_BSD.reshape(T, D), r.experts_TK, r.weights_TK, w).reshape(B, S, D)
         else:

@@ -80,12 +80,13 @@ def _gemm(gmm: str, platform: str, *, fp8: bool, partitioned: bool, model_dim: i
 def moe_plan(spec: MoESpec, mesh_shape: dict, platform: str, *, tokens: int, model_dim: int,
              gmm: str | None = None) -> MoEPlan:
     """The plan of one MoE call of `tokens` tokens on a mesh of `mesh_shape` ({} without one), lowered for
-    `platform` (PLATFORMS). `gmm` overrides spec.moe_gmm_backend."""
-    gmm = gmm or spec.moe_gmm_backend
+    `platform` (PLATFORMS). `gmm` overrides spec.run.moe_gmm_backend."""
+    run = spec.run
+    gmm = gmm or run.moe_gmm_backend
     if gmm not in moe_gmm.GMMS:
         raise ValueError(f"moe_gmm_backend: unknown grouped matmul {gmm!r} (one of {moe_gmm.GMMS})")
-    if spec.moe_ep_all_to_all not in EXCHANGES:
-        raise ValueError(f"moe_ep_all_to_all: unknown exchange {spec.moe_ep_all_to_all!r} "
+    if run.moe_ep_all_to_all not in EXCHANGES:
+        raise ValueError(f"moe_ep_all_to_all: unknown exchange {run.moe_ep_all_to_all!r} "
                          f"(auto, ragged, padded or emulated)")
     if platform not in PLATFORMS:
         raise ValueError(f"platform: unknown {platform!r} (one of {PLATFORMS})")
@@ -93,11 +94,11 @@ def moe_plan(spec: MoESpec, mesh_shape: dict, platform: str, *, tokens: int, mod
     if path in ("dense_capacity", "gathered"):
         return MoEPlan(path, None, False, None)
     partitioned = path == "partitioned" and math.prod(mesh_shape.values()) > 1
-    gemm, interpret = _gemm(gmm, platform, fp8=spec.quantization == "fp8", partitioned=partitioned,
+    gemm, interpret = _gemm(gmm, platform, fp8=run.quantization == "fp8", partitioned=partitioned,
                             model_dim=model_dim, mlp_dim=spec.base_moe_mlp_dim)
     exchange = None
     if path in ("expert_parallel", "per_device"):
-        a2a = "padded" if mesh_shape.get("expert", 1) == 1 else spec.moe_ep_all_to_all
+        a2a = "padded" if mesh_shape.get("expert", 1) == 1 else run.moe_ep_all_to_all
         exchange = ("padded" if platform == "cpu" else "ragged") if a2a == "auto" else a2a
     return MoEPlan(path, gemm, interpret, exchange)
 

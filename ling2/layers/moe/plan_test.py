@@ -6,14 +6,20 @@ import dataclasses
 import pytest
 
 from ling2.config import load_config
-from ling2.config.specs import MoESpec
+from ling2.config.specs import MoESpec, RunSpec
 from ling2.layers.moe.plan import MoEPlan, moe_plan, plans
 
 BASE = MoESpec.of(load_config(model_name="ling2-tiny"))
 
 
+RUN = {f.name for f in dataclasses.fields(RunSpec)}
+
+
 def spec(**kw):
-    return dataclasses.replace(BASE, **{"num_experts": 64, "num_experts_per_tok": 8, **kw})
+    """BASE with 64 experts, 8 per token, and `kw`: MoESpec fields, or its RunSpec's (moe_gmm_backend...)."""
+    run = dataclasses.replace(BASE.run, **{k: v for k, v in kw.items() if k in RUN})
+    return dataclasses.replace(BASE, run=run, **{"num_experts": 64, "num_experts_per_tok": 8,
+                                                 **{k: v for k, v in kw.items() if k not in RUN}})
 
 
 @pytest.mark.parametrize("sparse, gmm, mesh_shape, tokens, want", [
@@ -76,7 +82,8 @@ EP = {"data": 2, "expert": 4, "tensor": 1}
     ("ragged_dot", "fp8", ONE, "auto", 2048, 512, {p: ("ragged_dot", False, None) for p in ("cpu", "tpu", "cuda")}),
 ])
 def test_gemm_and_exchange_table(gmm, quant, mesh_shape, a2a, D, F, table):
-    s = spec(moe_gmm_backend=gmm, quantization=quant or BASE.quantization, moe_ep_all_to_all=a2a, base_moe_mlp_dim=F)
+    s = spec(moe_gmm_backend=gmm, quantization=quant or BASE.run.quantization, moe_ep_all_to_all=a2a,
+             base_moe_mlp_dim=F)
     for platform, (gemm, interpret, exchange) in table.items():
         got = moe_plan(s, mesh_shape, platform, tokens=4096, model_dim=D)
         assert (got.gemm, got.interpret, got.exchange) == (gemm, interpret, exchange), platform

@@ -23,11 +23,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ling2.config import load_config  # noqa: E402
-from ling2.layers.plan import layer_plan  # noqa: E402
-from ling2.layers.sharding import use_mesh  # noqa: E402
 from ling2.train import hlo_traffic, loop, runtime  # noqa: E402
 from ling2.train.state import abstract_state, init_state  # noqa: E402
 from ling2.train import step as step_lib  # noqa: E402
+from ling2.layers.spec import ModelSpec  # noqa: E402
 from tools.bench.report import host_facts, results_path, time_round_robin  # noqa: E402
 
 MiB = 2**20
@@ -58,7 +57,7 @@ def case(a, context):
     holder = {"state": state}
 
     def run():
-        with use_mesh(mesh, cfg.logical_axis_rules):
+        with jax.set_mesh(mesh):
             holder["state"], metrics = step_fn(holder["state"], batch)
         return metrics["loss"]
 
@@ -79,7 +78,7 @@ def plan_rows(paths):
         for plan in json.load(open(p))["plans"]:
             if "collectives" not in plan:
                 continue
-            layers = len(layer_plan(load_config(model_name=plan["model_name"])).all())
+            layers = len(ModelSpec.of(load_config(model_name=plan["model_name"])).plan.all())
             ctx = sum(c["wire_bytes"] for c in plan["collectives"] if c["axes"] == ["context"])
             out.append({"plan": plan["name"], "mesh": plan["mesh"], "seq_len": plan["seq_len"], "layers": layers,
                         "wire_gib_per_step": plan["collective_wire_bytes"] / 2**30,

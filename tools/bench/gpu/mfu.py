@@ -36,7 +36,8 @@ from flax import nnx
 
 from ling2.layers.moe import layer as moe
 from ling2.layers.attention.registry import ATTENTION
-from ling2.layers.plan import LayerSpec, layer_plan
+from ling2.layers.plan import LayerSpec
+from ling2.layers.spec import ModelSpec
 from tools.bench.report import host_facts, matmul_rate, planned_bytes, results_path, time_round_robin
 
 PEAK_BF16_FLOPS = 989.4e12  # H100 / H200 SXM, dense bf16
@@ -49,9 +50,10 @@ PHASES = ("matmul", "whole", "no_heads", "layers")
 def layer_flops(cfg, attn: str, mlp: str, seq_len: int) -> float:
     """Training FLOPs per token (3 x forward) of one decoder layer of kinds (attn, mlp): its attention's and
     MLP's weight matmuls and its attention's token mixing, as `training_flops_per_token` counts them."""
-    a = ATTENTION[attn]
-    mlp_params = 3 * cfg.base_emb_dim * cfg.base_mlp_dim if mlp == "dense" else moe.matmul_params(cfg, active=True)
-    return 3.0 * (2 * (a.matmul_params(cfg) + mlp_params) + a.mixing_flops(cfg, seq_len))
+    spec = ModelSpec.of(cfg)
+    a, a_spec = ATTENTION[attn], spec.layers.attention_spec(attn)
+    mlp_params = 3 * spec.emb_dim * spec.layers.mlp_dim if mlp == "dense" else moe.matmul_params(spec.layers.moe)
+    return 3.0 * (2 * (a.matmul_params(a_spec) + mlp_params) + a.mixing_flops(a_spec, seq_len))
 
 
 def flop_split(cfg, seq_len: int | None = None) -> dict:
@@ -60,7 +62,7 @@ def flop_split(cfg, seq_len: int | None = None) -> dict:
     counted; nor are norms), "total": their sum (= training_flops_per_token), "no_heads": total - heads}."""
     S = seq_len or cfg.max_target_length
     D, K = cfg.base_emb_dim, cfg.mtp_num_layers
-    layers = [layer_flops(cfg, spec.attn, spec.mlp, S) for spec in layer_plan(cfg).all()]
+    layers = [layer_flops(cfg, spec.attn, spec.mlp, S) for spec in ModelSpec.of(cfg).plan.all()]
     mtp_input = 3.0 * 2 * K * 2 * D * D
     heads = 3.0 * 2 * (1 + K) * D * cfg.vocab_size
     total = sum(layers) + mtp_input + heads
@@ -149,7 +151,7 @@ def split_abstract(cfg):
     from ling2.layers.model import abstract_model
     from ling2.train.state import trainable_filter
 
-    return nnx.split(abstract_model(cfg), trainable_filter(cfg), ...)
+    return nnx.split(abstract_model(ModelSpec.of(cfg)), trainable_filter(cfg), ...)
 
 
 def init_model(cfg, seed: int = 0):
@@ -159,7 +161,8 @@ def init_model(cfg, seed: int = 0):
     from ling2.train.state import trainable_filter
 
     graphdef, _, _ = split_abstract(cfg)
-    build = jax.jit(lambda: nnx.split(Ling2Model(cfg, rngs=nnx.Rngs(seed)), trainable_filter(cfg), ...)[1:])
+    spec = ModelSpec.of(cfg)
+    build = jax.jit(lambda: nnx.split(Ling2Model(spec, rngs=nnx.Rngs(seed)), trainable_filter(cfg), ...)[1:])
     params, rest = build()
     return graphdef, params, rest
 
@@ -183,7 +186,7 @@ class LayerCase(NamedTuple):
 def layer_cases(cfg, full_cfg) -> list[LayerCase]:
     """Each (attention, MLP) kind pair in the plan of `cfg` or `full_cfg`, in order of first appearance, with
     how often each plan has it (MTP depths are MLA+MoE layers)."""
-    own, full = layer_plan(cfg).all(), layer_plan(full_cfg).all()
+    own, full = ModelSpec.of(cfg).plan.all(), ModelSpec.of(full_cfg).plan.all()
     kinds = list(dict.fromkeys((s.attn, s.mlp) for s in own + full))
     out = []
     for attn, mlp in kinds:
@@ -196,11 +199,11 @@ def layer_cases(cfg, full_cfg) -> list[LayerCase]:
 
 def build_layer(cfg, case: LayerCase, seed: int = 0):
     """(graphdef, params, rest) of one DecoderLayer of `case`'s kinds at cfg's widths."""
-    from ling2.layers.decoder import DecoderLayer, LayerSpecs
+    from ling2.layers.decoder import DecoderLayer
     from ling2.train.state import trainable_filter
 
     spec = LayerSpec(case.index, case.attn, case.mlp, ("layer",))
-    return nnx.split(DecoderLayer(LayerSpecs.of(cfg), spec, rngs=nnx.Rngs(seed)), trainable_filter(cfg), ...)
+    return nnx.split(DecoderLayer(ModelSpec.of(cfg).layers, spec, rngs=nnx.Rngs(seed)), trainable_filter(cfg), ...)
 
 
 def layer_inputs(cfg, rows: int, seq: int, seed: int = 0) -> dict:

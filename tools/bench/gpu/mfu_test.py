@@ -10,7 +10,7 @@ from flax import nnx
 
 from ling2.config import load_config
 from ling2.layers.model import training_flops_per_token
-from ling2.layers.plan import layer_plan
+from ling2.layers.spec import ModelSpec
 from tools.bench.gpu import mfu
 
 
@@ -19,17 +19,19 @@ def test_flop_split_adds_up_to_training_flops_per_token(model):
     cfg = load_config(model_name=model)
     for seq in (None, 1024):
         split = mfu.flop_split(cfg, seq)
-        assert len(split["layers"]) == len(layer_plan(cfg).all())
+        assert len(split["layers"]) == len(ModelSpec.of(cfg).plan.all())
         parts = sum(split["layers"]) + split["mtp_input"] + split["heads"] + split["embedding"]
         assert split["total"] == pytest.approx(parts, rel=1e-12)
-        assert split["total"] == pytest.approx(training_flops_per_token(cfg, seq), rel=1e-12)
+        want = training_flops_per_token(ModelSpec.of(cfg), seq or cfg.max_target_length)
+        assert split["total"] == pytest.approx(want, rel=1e-12)
         assert split["no_heads"] == pytest.approx(split["total"] - split["heads"], rel=1e-12)
 
 
 def test_heads_are_exactly_the_vocab_dependent_flops():
     cfg = load_config(model_name="ling2-1gpu")
     smaller = load_config(model_name="ling2-1gpu", vocab_size=1024)
-    drop = training_flops_per_token(cfg) - training_flops_per_token(smaller)
+    S = cfg.max_target_length
+    drop = training_flops_per_token(ModelSpec.of(cfg), S) - training_flops_per_token(ModelSpec.of(smaller), S)
     assert mfu.flop_split(cfg)["heads"] - mfu.flop_split(smaller)["heads"] == pytest.approx(drop, rel=1e-12)
     assert mfu.flop_split(cfg)["no_heads"] == pytest.approx(mfu.flop_split(smaller)["no_heads"], rel=1e-12)
 
@@ -38,7 +40,7 @@ def test_heads_are_exactly_the_vocab_dependent_flops():
 def test_one_gpu_proxies_scan_layout(model, layout):
     """ling2-1gpu: its first group (with the dense layer) unrolled, the second scanned; ling3-1gpu: nothing to
     scan. Both: one MTP depth, MLA + MoE."""
-    p = layer_plan(load_config(model_name=model))
+    p = ModelSpec.of(load_config(model_name=model)).plan
     assert (p.prefix, p.num_groups, p.group_size) == layout
     assert [(s.attn, s.mlp) for s in p.mtp] == [("mla", "moe")]
 
@@ -53,10 +55,10 @@ def test_layer_cases_match_the_plans(model, full, kinds, model_counts, full_coun
     assert [(c.attn, c.mlp) for c in cases] == kinds
     assert [c.model_count for c in cases] == model_counts
     assert [c.full_count for c in cases] == full_counts
-    assert sum(c.model_count for c in cases) == len(layer_plan(cfg).all())
-    assert sum(c.full_count for c in cases) == len(layer_plan(full_cfg).all())
+    assert sum(c.model_count for c in cases) == len(ModelSpec.of(cfg).plan.all())
+    assert sum(c.full_count for c in cases) == len(ModelSpec.of(full_cfg).plan.all())
     for c in cases:
-        first = next(s for s in layer_plan(cfg).layers if (s.attn, s.mlp) == (c.attn, c.mlp))
+        first = next(s for s in ModelSpec.of(cfg).plan.layers if (s.attn, s.mlp) == (c.attn, c.mlp))
         assert c.index == first.index
     per_layer = {(c.attn, c.mlp): mfu.layer_flops(full_cfg, c.attn, c.mlp, 4096) for c in cases}
     split = mfu.flop_split(full_cfg, 4096)
@@ -67,7 +69,7 @@ def test_layer_cases_match_the_plans(model, full, kinds, model_counts, full_coun
 def test_each_layer_builds_with_its_kinds(model):
     cfg = load_config(model_name=model)
     cases = mfu.layer_cases(cfg, cfg)
-    assert {(c.attn, c.mlp) for c in cases} == {(s.attn, s.mlp) for s in layer_plan(cfg).all()}
+    assert {(c.attn, c.mlp) for c in cases} == {(s.attn, s.mlp) for s in ModelSpec.of(cfg).plan.all()}
     for case in cases:
         layer = nnx.merge(*mfu.build_layer(cfg, case))
         assert (layer.attn_type, layer.mlp_type) == (case.attn, case.mlp)
@@ -136,5 +138,5 @@ def test_cli_writes_the_three_figures(tmp_path):
     assert all("error" not in p for p in record["phases"].values())
     assert set(record["mfu"]) == {"whole", "no_heads", "full_model"}
     assert record["flops_per_token"]["full_model"]["total"] == pytest.approx(
-        training_flops_per_token(mfu.load("ling2-micro", 16)))
+        training_flops_per_token(ModelSpec.of(mfu.load("ling2-micro", 16)), 16))
     assert [(r["attn"], r["mlp"]) for r in record["phases"]["layers"]["rows"]] == [("gla", "dense"), ("mla", "moe")]

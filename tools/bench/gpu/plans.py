@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ling2.layers.spec import ModelSpec
 from tools.bench.gpu import mfu
 from tools.bench.report import host_facts, planned_bytes, results_path
 
@@ -64,7 +65,7 @@ def plan(model: str, rows: int, seq: int, remat_policy: str, device, as_hopper: 
     graphdef, params, rest = mfu.split_abstract(cfg)
     params, rest = _on(device, params), _on(device, rest)
     mb = _on(device, mfu.batch_struct(rows, seq))
-    n_params = count_params(cfg)["total"]
+    n_params = count_params(ModelSpec.of(cfg))["total"]
     row = {"model": model, "rows": rows, "seq": seq, "tokens": rows * seq, "remat_policy": remat_policy,
            "attention_kernel": cfg.attention_kernel, "moe_gmm_backend": cfg.moe_gmm_backend,
            "params": n_params, "adam_bytes": 2 * 4 * n_params, "cudnn_checks_as_hopper": as_hopper}

@@ -34,7 +34,7 @@ from ling2.infer import generation
 from ling2.infer.load import INFER_OVERRIDES, find_file, load_model
 from ling2.layers.attention.decode import DecodeOptions, DecoderCache
 from ling2.layers.model import Ling2Model
-from ling2.layers.plan import layer_plan
+from ling2.layers.spec import ModelSpec
 
 
 def _time(fn, *args, repeats=2):
@@ -51,7 +51,7 @@ def _time(fn, *args, repeats=2):
 def cache_bytes(cfg) -> dict:
     """Per token, summed over the MLA layers (decoder + MTP), in the cache dtype."""
     item = jnp.dtype(cfg.dtype).itemsize
-    plan = layer_plan(cfg)
+    plan = ModelSpec.of(cfg).plan
     mla = sum(s.attn == "mla" for s in plan.all())
     gla = sum(s.attn == "gla" for s in plan.all())
     latent = mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
@@ -65,7 +65,7 @@ def cache_bytes(cfg) -> dict:
 
 def bench_small(args, log) -> dict:
     cfg = load_config({"model_name": args.model, "dtype": args.dtype}, INFER_OVERRIDES)
-    model = Ling2Model(cfg, rngs=nnx.Rngs(0))
+    model = Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
     gd, state = nnx.split(model)
     rng = np.random.default_rng(0)
     out = {"model": cfg.model_name, "dtype": cfg.dtype, "prefill": [], "decode": []}

@@ -21,6 +21,7 @@ from absl import app, flags
 from flax import nnx
 
 from ling2.config.paths import user_path
+from ling2.layers.spec import ModelSpec
 from tools.bench.report import planned_bytes
 
 flags.DEFINE_string("out", "step_bench.json", "JSON output (relative: the working directory).")
@@ -60,7 +61,7 @@ def bench(model_name: str, seq: int, compile_only: bool = False, trace_dir: str 
     max_pos = max(seq, load_config(model_name=model_name).max_position_embeddings)  # rope tables reach seq
     cfg = load_config(model_name=model_name, max_target_length=seq, max_position_embeddings=max_pos, scan_layers=True,
                       **overrides)
-    model = Ling2Model(cfg, rngs=nnx.Rngs(0))
+    model = Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
     gd, params, rest = nnx.split(model, trainable_filter(cfg), ...)
     r = np.random.default_rng(0)
     B = FLAGS.batch
@@ -85,10 +86,10 @@ def bench(model_name: str, seq: int, compile_only: bool = False, trace_dir: str 
             jax.block_until_ready(out)
     ref = matmul_flops(jnp.dtype(cfg.dtype))
     tps = B * seq / dt
-    model_flops = tps * training_flops_per_token(cfg, seq)
+    model_flops = tps * training_flops_per_token(ModelSpec.of(cfg), seq)
     planned = planned_bytes(mem)
     return {"model": model_name, "seq": seq, **overrides, "dtype": cfg.dtype, "compile_s": compile_s,
-            "params_M": count_params(cfg)["total"] / 1e6, "step_s": dt, "tokens_per_s": tps, "model_gflops": model_flops / 1e9, "matmul_gflops": ref / 1e9,
+            "params_M": count_params(ModelSpec.of(cfg))["total"] / 1e6, "step_s": dt, "tokens_per_s": tps, "model_gflops": model_flops / 1e9, "matmul_gflops": ref / 1e9,
             "cpu_mfu": model_flops / ref, "planned_MiB": planned / 2**20,
             "peak_rss_MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 

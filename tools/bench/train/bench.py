@@ -22,6 +22,7 @@ import numpy as np
 from absl import app, flags
 
 from ling2.config.paths import user_path
+from ling2.layers.spec import ModelSpec
 from tools.bench.report import planned_bytes
 
 flags.DEFINE_string("out", "train_bench.json", "JSON output path (relative: the working directory).")
@@ -37,7 +38,6 @@ FLAGS = flags.FLAGS
 def bench_model(name: str) -> dict:
     from ling2.checkpoint.manager import Checkpointer
     from ling2.config import load_config
-    from ling2.layers import sharding
     from ling2.layers.model import count_params, training_flops_per_token
     from ling2.train import runtime
     from ling2.train import step as step_lib
@@ -55,7 +55,7 @@ def bench_model(name: str) -> dict:
     state = init_state(cfg, mesh, setup)
     step_fn = step_lib.jit_train_step(setup.graphdef, setup.tx, cfg, setup.schedule)
     it = make_iterator_factory(find_file)(cfg, "train", mesh.size)
-    with sharding.use_mesh(mesh, cfg.logical_axis_rules):
+    with jax.set_mesh(mesh):
         batch = runtime.to_global(next(it), cfg, mesh)
         compiled = step_fn.lower(state, batch).compile()
         mem = compiled.memory_analysis()
@@ -94,8 +94,8 @@ def bench_model(name: str) -> dict:
         asyn.close()
     save_s, blocked, async_total = (float(np.median(x[FLAGS.ckpt_warmup:])) for x in (sync_s, blocked_s, async_s))
     per_device = planned_bytes(mem)
-    return {"model": name, "params_M": count_params(cfg)["total"] / 1e6, "steps_per_s": FLAGS.steps / dt,
-            "tokens_per_s": tps, "mfu": tps * training_flops_per_token(cfg) / peak, "data_wait_frac": wait / dt,
+    return {"model": name, "params_M": count_params(ModelSpec.of(cfg))["total"] / 1e6, "steps_per_s": FLAGS.steps / dt,
+            "tokens_per_s": tps, "mfu": tps * training_flops_per_token(ModelSpec.of(cfg), cfg.max_target_length) / peak, "data_wait_frac": wait / dt,
             "ckpt_save_s": save_s, "ckpt_blocked_s": blocked, "blocked_frac_of_save": blocked / save_s,
             "ckpt_async_total_s": async_total, "ckpt_each_save_s": sync_s, "ckpt_each_blocked_s": blocked_s,
             "mem_per_device_MiB": per_device / 2**20}

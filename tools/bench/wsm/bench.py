@@ -27,6 +27,7 @@ from ling2.train.data import make_iterator_factory
 from ling2.train.eval import Evaluator
 from ling2.train.runtime import make_mesh
 from ling2.train.train import find_file
+from ling2.layers.spec import ModelSpec
 from tools.bench.report import host_facts, results_path
 
 
@@ -57,7 +58,7 @@ def main():
         cfgs[sched] = cfg
     cfg = cfgs["wsm"]
     mesh = make_mesh(cfg, jax.devices()[:1])
-    model = Ling2Model(cfg, rngs=nnx.Rngs(0))
+    model = Ling2Model(ModelSpec.of(cfg), rngs=nnx.Rngs(0))
     evaluator = Evaluator(cfg, mesh, nnx.split(model, nnx.Param, ...)[0], make_iter)
     for k in (int(x) for x in a.windows.split(",")):
         dirs = M.step_dirs_of(work / "wsm", last=k)

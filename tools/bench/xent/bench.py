@@ -21,6 +21,7 @@ with the tokens sharded over fsdp and, separately, the vocab over tensor.
 import argparse
 import json
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -35,12 +36,18 @@ RULES = [("activation_batch", ["data", "fsdp", "expert"]), ("activation_length",
          ("activation_embed", None), ("activation_vocab", ["tensor"]), ("embed", ["fsdp"]), ("vocab", ["tensor"])]
 
 
-def loss_fn(num_blocks, compute_dtype, vocab_shards):
+def run_spec(mesh):
+    """What the loss reads of a RunSpec: the mesh's axis sizes and RULES."""
+    return types.SimpleNamespace(mesh_shape=tuple(mesh.shape.items()),
+                                 logical_axis_rules=tuple((n, tuple(a or ())) for n, a in RULES))
+
+
+def loss_fn(num_blocks, compute_dtype, vocab_shards, run):
     """value_and_grad over (hidden, kernel) of the weighted CE sum; num_blocks 0 = full logits."""
 
     def f(x, k, t, w):
         return jax.value_and_grad(lambda x, k: losses.head_cross_entropy_sums(
-            x, k, t, w, num_blocks=num_blocks, vocab_shards=vocab_shards, compute_dtype=compute_dtype)[0],
+            x, k, t, w, num_blocks=num_blocks, vocab_shards=vocab_shards, compute_dtype=compute_dtype, run=run)[0],
             argnums=(0, 1))(x, k)
 
     return f
@@ -66,7 +73,7 @@ def abstract_args(mesh, B, T, E, V, dt):
 
 
 def compile_case(f, mesh, args):
-    with sharding.use_mesh(mesh, RULES):
+    with jax.set_mesh(mesh):
         t0 = time.perf_counter()
         c = jax.jit(f).lower(*args).compile()
         secs = time.perf_counter() - t0
@@ -137,7 +144,7 @@ def main():
             args = abstract_args(mesh, rows_per_token, tokens, E, V, dt)  # `tokens` per batch-shard
             pair = []
             for name, nb in (("full_logits", 0), (f"blocked_{a.num_blocks}", a.num_blocks)):
-                compiled, mem = compile_case(loss_fn(nb, dt, mesh.shape["tensor"]), mesh, args)
+                compiled, mem = compile_case(loss_fn(nb, dt, mesh.shape["tensor"], run_spec(mesh)), mesh, args)
                 pair.append((compiled, dict(case=name, tokens_per_device=tokens, E=E, V=V, layout=lname, **mem)))
             if timed and (a.time == "all" or ci > 0):
                 r = np.random.default_rng(0)
