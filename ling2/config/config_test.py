@@ -240,9 +240,9 @@ def test_ling3_layer_rule_keeps_a_trailing_partial_group_linear():
      r"context x gla_chunk_size = 8 x 8"),
     (dict(model_name="ling3-tiny", max_target_length=256, kda_chunk_size=64, ici_context_parallelism=2,
           dcn_context_parallelism=4), r"context parallelism 8 needs .* 8 x 64"),
-    (dict(model_name="ling2-micro", max_target_length=512, attention_kernel="flash", ici_context_parallelism=8),
-     r"context parallelism 8 with attention_kernel=flash needs max_target_length \(512\) / context to be a "
-     r"multiple of 128"),
+    (dict(model_name="ling2-micro", max_target_length=512, attention_kernel="flash", ici_context_parallelism=4),
+     r"context parallelism 4 with attention_kernel=flash needs max_target_length \(512\) / \(2 x context\) to be "
+     r"a multiple of 128"),
 ])
 def test_context_parallelism_must_split_whole_kernel_chunks(overrides, message):
     """Hand-made: each context shard must hold whole chunks of the linear-attention kernel."""
@@ -250,7 +250,7 @@ def test_context_parallelism_must_split_whole_kernel_chunks(overrides, message):
         load_config(**overrides)
     ok = dict(overrides, max_target_length=2 * overrides["max_target_length"])
     if "dcn_context_parallelism" not in overrides:
-        assert load_config(**ok).ici_context_parallelism == 8
+        assert load_config(**ok).ici_context_parallelism == overrides["ici_context_parallelism"]
 
 
 def test_long_context_configs():

@@ -414,9 +414,14 @@ class Config(*GROUPS):
         if context > 1 and self.max_target_length % (context * chunk):
             return (f"context parallelism {context} needs max_target_length ({self.max_target_length}) to be a "
                     f"multiple of context x {field} = {context} x {chunk}")
-        if context > 1 and self.attention_kernel == "flash" and (self.max_target_length // context) % 128:
-            return (f"context parallelism {context} with attention_kernel=flash needs max_target_length "
-                    f"({self.max_target_length}) / context to be a multiple of 128 (splash attention's query blocks)")
+        T = self.max_target_length
+        if context > 1 and T % (2 * context):
+            return (f"context parallelism {context} needs max_target_length ({T}) to be a multiple of 2 x context "
+                    f"(each shard holds two chunks of the balanced attention layout)")
+        if context > 1 and self.attention_kernel == "flash" and ((T // (2 * context)) % 128 or T % (context * context)):
+            return (f"context parallelism {context} with attention_kernel=flash needs max_target_length ({T}) / "
+                    f"(2 x context) to be a multiple of 128 (splash attention's query blocks: each shard holds two "
+                    f"chunks of the balanced layout) and max_target_length a multiple of context x context")
         return None
 
     def global_batch_size(self, num_devices: int) -> int:

@@ -1,4 +1,4 @@
-"""How values vary over the mesh inside `shard_map` (check_vma), for the GLA kernels."""
+"""How values vary over the mesh inside `shard_map` (check_vma), for the kernels that run in it."""
 
 import jax
 
@@ -12,6 +12,17 @@ def vary_like(x, like):
         return x
     extra = tuple(sorted(axes.varying - have.varying))
     return jax.lax.pcast(x, extra, to="varying") if extra else x
+
+
+def sum_like(x, like):
+    """Inside shard_map, x summed over the mesh axes it varies over and `like` does not: the cotangent of an
+    input replicated over them (a custom VJP must return it so). No-op elsewhere."""
+    axes = getattr(jax.typeof(like), "manual_axis_type", None)
+    have = getattr(jax.typeof(x), "manual_axis_type", None)
+    if axes is None or have is None:
+        return x
+    extra = tuple(sorted(have.varying - axes.varying))
+    return jax.lax.psum(x, extra) if extra else x
 
 
 def out_struct(shape, dtype, like):

@@ -178,9 +178,16 @@ def roofline(hlo_text: str, mesh_shape: dict, chip, compute_s: float, cfg) -> di
     out["roofline_step_s"] = max(terms.values())
     out["roofline_bound"] = max(terms, key=terms.get)
     context = mesh_shape.get("context", 1)
-    if context > 1:  # contiguous shards of a causal sequence: the last shard's queries see every key
+    if context > 1:
+        # flash (splash) keeps the queries in contiguous shards: the last one's see every key; the other
+        # kernels move them to the zigzag layout (`ling2.kernels.attention.context`)
+        from ling2.kernels.attention.context import key_blocks_per_device
+
+        work = key_blocks_per_device(context)
         flash = cfg.attention_kernel == "flash"
-        out["full_attention_context_imbalance"] = (2 * context - 1) / context if flash else 1.0
+        out["full_attention_context_layout"] = "contiguous" if flash else "zigzag"
+        out["full_attention_context_imbalance"] = (2 * context - 1) / context if flash else max(work) / (
+            sum(work) / context)
     return out
 
 
@@ -229,7 +236,8 @@ def table(p: dict) -> str:
                       f"{p['chip_source']})")]
             if "full_attention_context_imbalance" in p:
                 rows += [("full attention: causal work, max / mean shard",
-                          f"{p['full_attention_context_imbalance']:9.3f}")]
+                          f"{p['full_attention_context_imbalance']:9.3f}  "
+                          f"({p.get('full_attention_context_layout', 'contiguous')} layout)")]
     else:
         rows += [("parameters", g(p["params_bytes"])), ("optimizer state", g(p["opt_state_bytes"])),
                  ("batch", g(p["batch_bytes"])), ("total (XLA stopped: out of HBM)", g(p["total_bytes"])),

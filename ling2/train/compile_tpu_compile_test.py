@@ -88,7 +88,8 @@ def test_two_slices_data_over_dcn(monkeypatch):
 
 def test_context_parallel_plan_reports_its_collectives_and_roofline():
     """ling2-micro at 512 positions split 4 ways over the context axis of a v5p-16 (8 chips, fsdp 2): the
-    sequence's collectives run over `context` (GLA/KDA shard summaries and MLA latents gathered), each loop's
+    sequence's collectives run over `context` (GLA/KDA shard summaries and MLA latents gathered, MLA's queries
+    permuted to the balanced layout and back), each loop's
     trip count is read, and the roofline's terms come from the chip's published numbers."""
     p, cfg = run_plan("v5p-16", max_target_length=512, gla_chunk_size=64, per_device_batch_size=0.25,
                       ici_fsdp_parallelism=2, ici_context_parallelism=4)
@@ -96,12 +97,14 @@ def test_context_parallel_plan_reports_its_collectives_and_roofline():
     assert p["hlo_unknown_loops"] == 0
     kinds = {(c["kind"], tuple(c["axes"])) for c in p["collectives"]}
     assert ("all-gather", ("context",)) in kinds
+    assert ("collective-permute", ("context",)) in kinds  # MLA's queries to and from the zigzag layout
     assert p["collective_wire_bytes"] == pytest.approx(sum(c["wire_bytes"] for c in p["collectives"]))
     r = p["roofline_s"]
     assert r["compute"] == p["step_s_at_peak"]
     assert r["hbm"] == pytest.approx(p["hbm_traffic_bytes"] / 2765e9)
     assert r["ici"] == pytest.approx(p["collective_wire_bytes"] / 1200e9)
-    assert p["roofline_step_s"] == max(r.values()) and p["full_attention_context_imbalance"] == 1.0
+    assert p["roofline_step_s"] == max(r.values())
+    assert p["full_attention_context_imbalance"] == 1.0 and p["full_attention_context_layout"] == "zigzag"
     # the batch's positions are split 4 ways: 2 rows x 512 positions x 5 int/float arrays x 2 micro-batches
     assert p["batch_bytes"] == 2 * 1 * (512 // 4) * 4 * 5
 

@@ -1,6 +1,6 @@
 """Causal, same-document softmax attention as plain einsums: the reference (`dot_product_attention` over the
-[T, S] logits), the causal half by query blocks (`blocked_attention`) and a shard of queries against the whole
-sequence (`context_attention`, context parallelism)."""
+[T, S] logits) and the causal half by query blocks (`blocked_attention`). A context shard's queries against
+the whole sequence: `ling2.kernels.attention.context`."""
 
 import jax
 import jax.numpy as jnp
@@ -39,19 +39,4 @@ def blocked_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, block):
         e = min(s + block, T)
         mask = attention_mask(segment_BT[:, s:e], segment_BT[:, :e], index[:, s:e], index[:, :e])
         outs.append(dot_product_attention(q_BTHK[:, s:e], k_BSHK[:, :e], v_BSHV[:, :e], mask, scale))
-    return jnp.concatenate(outs, axis=1)
-
-
-def context_attention(q_BTHK, k_BSHK, v_BSHV, q_index_BT, q_segment_BT, kv_segment_BS, scale, block):
-    """Causal, same-segment attention of a shard of queries against the whole sequence's keys (context
-    parallelism): q at global indices `q_index_BT`, keys at 0..S-1. Runs per query block of `block` over
-    all S keys (which keys a shard's queries may see depends on where the shard sits, unknown to a
-    static slice), so it does the full T x S work rather than the causal half."""
-    T, S = q_BTHK.shape[1], k_BSHK.shape[1]
-    kv_index_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), kv_segment_BS.shape)
-    outs = []
-    for s in range(0, T, block):
-        e = min(s + block, T)
-        mask = attention_mask(q_segment_BT[:, s:e], kv_segment_BS, q_index_BT[:, s:e], kv_index_BS)
-        outs.append(dot_product_attention(q_BTHK[:, s:e], k_BSHK, v_BSHV, mask, scale))
     return jnp.concatenate(outs, axis=1)

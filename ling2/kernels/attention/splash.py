@@ -1,6 +1,7 @@
 """Pallas splash attention (TPU) for the causal, packed-document case: one call per batch row
-(`splash_attention`), and the causal mask with a fast block summary that splash's host-side tables need
-(`causal_mask`)."""
+(`splash_attention`), and the causal masks with a fast block summary that splash's host-side tables need:
+`causal_mask` (queries in order) and `zigzag_causal_mask` (queries in the balanced context-parallel layout of
+`ling2.kernels.attention.context`)."""
 
 import functools
 
@@ -28,6 +29,52 @@ def causal_mask(T: int):
             return super().__getitem__(idx)
 
     return CausalBlocks((T, T))
+
+
+def zigzag_position(r, T: int, n: int):
+    """The sequence position of row r (numpy or jax ints) when T queries sit in the zigzag layout of n shards:
+    shard d's T/n rows are the even chunk of {d, 2n-1-d} (chunks of T/2n), then the odd one, as
+    `ling2.kernels.attention.context.to_zigzag` moves them. Integer arithmetic only, so the kernel can
+    evaluate it too."""
+    C = T // (2 * n)
+    d, half = r // (2 * C), (r // C) % 2
+    par = d % 2
+    even = d * (1 - par) + (2 * n - 1 - d) * par
+    odd = (2 * n - 1 - d) * (1 - par) + d * par
+    return (even * (1 - half) + odd * half) * C + r % C
+
+
+@functools.cache
+def zigzag_causal_mask(T: int, n: int):
+    """splash's causal mask of [T, T] with the rows in the zigzag layout of n shards (`zigzag_position`): with
+    `q_seq_shards` = n each device's rows are its two chunks, and every device skips the same number of
+    blocks. The fast block summary of `causal_mask`, for blocks inside one chunk."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    C = T // (2 * n)
+
+    class ZigzagCausal(sm._ComputableMask):
+        def __init__(self):
+            super().__init__((T, T), lambda q_ids, kv_ids: zigzag_position(q_ids, T, n) >= kv_ids, shard_count=n)
+
+        def __eq__(self, other):
+            return isinstance(other, ZigzagCausal) and other.shape == self.shape
+
+        def __hash__(self):
+            return hash(("zigzag_causal", T, n))
+
+        def __getitem__(self, idx):
+            q, kv = idx
+            if (isinstance(q, slice) and isinstance(kv, slice) and q.step in (None, 1) and kv.step in (None, 1)
+                    and q.start // C == (q.stop - 1) // C):
+                first, last = int(zigzag_position(q.start, T, n)), int(zigzag_position(q.stop - 1, T, n))
+                if kv.start > last:
+                    return np.zeros((1, 1), bool)
+                if kv.stop - 1 <= first:
+                    return np.ones((1, 1), bool)
+            return super().__getitem__(idx)
+
+    return ZigzagCausal()
 
 
 def splash_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, *, interpret=None, block=512):

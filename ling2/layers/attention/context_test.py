@@ -61,15 +61,16 @@ def mla_cfg(T=T, **kw):
     return load_config(model_name="ling2-tiny", base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=4,
                        head_dim=16, q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=8,
                        v_head_dim=5, dtype="float32", init_std=0.2, max_target_length=T, gla_chunk_size=8,
-                       **{"attention_block_size": 16, **kw})
+                       max_position_embeddings=max(T, 1024), **{"attention_block_size": 16, **kw})
 
 
 @pytest.mark.parametrize("kernel", ["dot_product", "blocked", "cudnn", "flash"])
 @pytest.mark.parametrize("sizes", [dict(context=2), dict(context=8), dict(context=4, tensor=2)],
                          ids=lambda s: "x".join(f"{k}{v}" for k, v in s.items()))
 def test_mla_under_context_parallelism_equals_one_device(kernel, sizes):
-    """flash (splash attention, interpreted on CPU) takes blocks of 128 queries, so 128 per shard."""
-    t = 128 * sizes["context"] if kernel == "flash" else T
+    """flash (splash attention, interpreted on CPU) takes blocks of 128 queries, and each shard holds two chunks
+    of the balanced layout: 256 per shard."""
+    t = 256 * sizes["context"] if kernel == "flash" else T
     cfg = mla_cfg(t, attention_kernel="dot_product")
     x, pos, seg = inputs(cfg.base_emb_dim, T=t)
     ref = out_and_grads(attention_mla.MLA(MLASpec.of(cfg), rngs=nnx.Rngs(0)), x, pos, seg)

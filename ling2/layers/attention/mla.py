@@ -26,8 +26,9 @@ from ling2.config.specs import MLASpec
 from ling2.layers import norms, rope, sharding, yarn
 from ling2.kernels import attention as attention_ops
 from ling2.kernels import fp8
-from ling2.kernels.attention.dense import NEG_INF, context_attention
-from ling2.kernels.attention.splash import causal_mask
+from ling2.kernels.attention.context import balanced_context_attention, from_zigzag, to_zigzag
+from ling2.kernels.attention.dense import NEG_INF
+from ling2.kernels.attention.splash import zigzag_causal_mask
 from ling2.layers.attention.decode import attention_mask as decode_mask
 from ling2.layers.attention.decode import move_slots, overflow_to_nan, write_rows
 from ling2.layers.sharding import constrain
@@ -43,10 +44,11 @@ def deinterleave(x):
 
 def splash_context_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, run, *, interpret=None, block=512):
     """Splash attention with the queries split over the context axis and the keys whole on every device
-    (on the mesh of `run`, a RunSpec): one kernel for the whole [T, T] causal mask built with `q_seq_shards` = the
-    context
-    size, its mask blocks split with the queries (`manual_sharding_spec`), so each device skips the blocks
-    above the diagonal of its own rows. Needs T / context to be a multiple of the block."""
+    (on the mesh of `run`, a RunSpec). The queries move to the zigzag layout (`to_zigzag`: device d holds
+    chunks d and 2n-1-d of 2n), and one kernel takes the whole [T, T] causal mask with its rows in that order
+    (`zigzag_causal_mask`) and `q_seq_shards` = the context size; its mask blocks split with the queries
+    (`manual_sharding_spec`), so each device skips the blocks above the diagonal of its own rows and every
+    device does the same causal work. Needs T / (2 x context) to be a multiple of the block."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -54,22 +56,24 @@ def splash_context_attention(q_BTHK, k_BSHK, v_BSHV, segment_BT, scale, run, *, 
     mesh = sharding.mesh_of(run)
     heads, seq = sharding.dim_axes(run, "activation_heads", H), sharding.dim_axes(run, "activation_length", T)
     head_shards, n = sharding.dim_shards(run, "activation_heads", H), sharding.dim_shards(run, "activation_length", T)
-    bq, bkv = min(block, T // n), min(block, T)
-    if (T // n) % bq or T % bkv:
-        raise ValueError(f"attention_kernel=flash: a context shard of {T // n} positions must be a multiple of the "
-                         f"block {bq}, and the sequence ({T}) of {bkv}")
+    C = T // (2 * n)
+    bq, bkv = min(block, C), min(block, T)
+    if T % (2 * n) or C % bq or bq % 128 or T % bkv or T % (n * n):
+        raise ValueError(f"attention_kernel=flash: half a context shard ({T} / 2 x {n} positions) must be a "
+                         f"multiple of the block {bq} and of 128, the sequence ({T}) of {bkv} and of {n} x {n}")
     sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
                           block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
-    mask = sm.MultiHeadMask([causal_mask(T) for _ in range(H)])
+    mask = sm.MultiHeadMask([zigzag_causal_mask(T, n) for _ in range(H)])
     axis = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes  # noqa: E731
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis(heads), axis(seq)))
     BTHD, BSHD = ("activation_batch", "activation_length", "activation_heads", None), ("activation_batch", None,
                                                                                        "activation_heads", None)
 
     def body(kernel, q, k, v, q_seg, kv_seg):
+        q, q_seg = to_zigzag(q, axis(seq)), to_zigzag(q_seg, axis(seq))
         attend = lambda q1, k1, v1, s1, s2: kernel(q1, k1, v1, segment_ids=sk.SegmentIds(q=s1, kv=s2))  # noqa
         o = jax.vmap(attend)(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), q_seg, kv_seg)
-        return o.swapaxes(1, 2)
+        return from_zigzag(o.swapaxes(1, 2), axis(seq))
 
     def attend(interp):
         def call(q, k, v, seg):
@@ -231,20 +235,19 @@ class MLA(nnx.Module):
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
         cp = sharding.context_axes(self.run, T, "mla")
         if cp is not None:
-            return self._out(x_BTE, self._attend_context(q_BTHK, c_kv, k_rope, segment_ids_BT))
+            return self._out(x_BTE, self._attend_context(q_BTHK, c_kv, k_rope, segment_ids_BT, cp))
         k_BSHK, v_BSHV = self.expand(c_kv, k_rope)
         return self._out(x_BTE, self._attend(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT))
 
-    def _attend_context(self, q_BTHK, c_kv_BTC, k_rope_BTR, segment_ids_BT):
-        """Attention with the sequence split over a context axis: the latents (c_kv + k_rope, kv_lora + rope
-        values per token) are all-gathered along it and expanded on every device; each device attends its
-        own queries to all keys (`splash_context_attention` for attention_kernel=flash, else
-        `context_attention`: cuDNN's fused kernel takes equal q and kv lengths only)."""
-        B, T = segment_ids_BT.shape
+    def _attend_context(self, q_BTHK, c_kv_BTC, k_rope_BTR, segment_ids_BT, cp):
+        """Attention with the sequence split over the context axis (or axes) `cp`: the latents (c_kv + k_rope,
+        kv_lora + rope values per token) are all-gathered along it and expanded on every device; each device
+        attends its own queries to the keys before them (`splash_context_attention` for attention_kernel=flash, else
+        `balanced_context_attention`: the queries in the zigzag layout, so every device does the same causal
+        work; cuDNN's fused kernel takes equal q and kv lengths only)."""
         whole = ("activation_batch", None, None)
         c_kv_BTC, k_rope_BTR = constrain(c_kv_BTC, whole, self.run), constrain(k_rope_BTR, whole, self.run)
         k_BSHK, v_BSHV = self.expand(c_kv_BTC, k_rope_BTR, length=None)
-        index_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         split, BTHD = ("activation_batch", "activation_length"), ("activation_batch", "activation_length",
                                                                   "activation_heads", None)
         BSHD = ("activation_batch", None, "activation_heads", None)
@@ -252,11 +255,11 @@ class MLA(nnx.Module):
         if self.kernel == "flash":
             return splash_context_attention(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, self.scale, self.run)
 
-        def body(q, k, v, index, seg, kv_seg):
-            return context_attention(q, k, v, index, seg, kv_seg, self.scale, self.block)
+        def body(q, k, v, seg, kv_seg):
+            return balanced_context_attention(q, k, v, seg, kv_seg, self.scale, axis_name=cp, block=self.block)
 
-        f = sharding.shard_map_for(self.run, body, (BTHD, BSHD, BSHD, split, split, ("activation_batch", None)), BTHD)
-        return f(q_BTHK, k_BSHK, v_BSHV, index_BT, segment_ids_BT, segment_ids_BT)
+        f = sharding.shard_map_for(self.run, body, (BTHD, BSHD, BSHD, split, ("activation_batch", None)), BTHD)
+        return f(q_BTHK, k_BSHK, v_BSHV, segment_ids_BT, segment_ids_BT)
 
     # ---- cached decoding (ling2.layers.attention.decode) ----
 
