@@ -185,9 +185,12 @@ def _load_state(ckpt_dir, cfg) -> dict:
             raise CheckpointError(str(e)) from None
     if not path.is_dir():
         raise CheckpointError(f"{path}: no state directory or orbax state item")
-    try:
-        with ocp.StandardCheckpointer() as ckptr:
-            tree = ckptr.restore(path)
+    try:  # as host numpy arrays: the item's saved shardings name the devices of the run that wrote it
+        with ocp.PyTreeCheckpointer() as ckptr:
+            meta = ckptr.metadata(path)
+            meta = getattr(getattr(meta, "item_metadata", None), "tree", None) or meta
+            args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+            tree = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
     except (ValueError, OSError, KeyError) as e:  # orbax/tensorstore on a damaged item
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise CheckpointError(f"{path}: unreadable orbax state item: {first[:500]}") from None

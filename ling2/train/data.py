@@ -51,15 +51,17 @@ class MicroBatches:
 
 
 def make_iterator_factory(find_file):
-    """(cfg, split, num_devices) -> MicroBatches over this host's share of each global batch."""
+    """(cfg, split, num_devices, share) -> MicroBatches over this host's rows of each global batch: row group
+    share.group of share.groups (`ling2.train.runtime.DataShare`; whole rows, its positions cut by `to_global`)."""
 
-    def make(cfg, split: str, num_devices: int) -> MicroBatches:
+    def make(cfg, split: str, num_devices: int, share) -> MicroBatches:
         if cfg.dataset_type == "mmap":
             cfg = cfg.model_copy(update={
                 "data_path": resolve_data_path(cfg.data_path, find_file),
                 "blend_per_split": [resolve_data_path(p, find_file) for p in cfg.blend_per_split]})
         try:
-            it = pipeline.make_data_iterator(cfg, num_devices, split)
+            it = pipeline.make_data_iterator(cfg, num_devices, split, process_index=share.group,
+                                             process_count=share.groups)
         except (ValueError, OSError) as e:
             raise DataError(f"data ({split} split, data_path={cfg.data_path!r}): {e}") from e
         return MicroBatches(it, cfg.gradient_accumulation_steps)

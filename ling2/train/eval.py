@@ -12,7 +12,7 @@ from flax import nnx
 
 from ling2.checkpoint import merge
 from ling2.checkpoint.state import flat, model_leaves, unflat
-from ling2.train.runtime import to_global
+from ling2.train.runtime import data_share, to_global
 
 
 class Evaluator:
@@ -31,7 +31,7 @@ class Evaluator:
         self._ce = ce
 
     def evaluate(self, state) -> float:
-        it = self.make_iter(self.cfg, "valid", self.mesh.size)
+        it = self.make_iter(self.cfg, "valid", self.mesh.size, data_share(self.cfg, self.mesh))
         tot, cnt = 0.0, 0.0
         for _ in range(max(self.cfg.eval_steps, 1)):
             batch = to_global(next(it), self.cfg, self.mesh)

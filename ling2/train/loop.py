@@ -31,7 +31,7 @@ from ling2.train.eval import Evaluator
 from ling2.train.metrics import MetricsWriter
 from ling2.train import goodput as goodput_lib
 from ling2.train.profiler import StepProfiler
-from ling2.train.runtime import batch_sharding, check_context_groups, make_mesh, peak_flops_per_device, to_global
+from ling2.train.runtime import batch_sharding, data_share, make_mesh, peak_flops_per_device, to_global
 from ling2.train.state import TrainSetup, TrainState, abstract_state, fields, init_state, load_parameters
 
 
@@ -214,7 +214,7 @@ def _open(cfg, run_dir: Path, mesh, make_iter, log):
     to resume and its config, or load_parameters_path. Returns (train iterator, Checkpointer or None when
     checkpointing is off, the step to resume or None)."""
     check_run_dir(run_dir)
-    train_iter = make_iter(cfg, "train", mesh.size)  # data errors before the model is built
+    train_iter = make_iter(cfg, "train", mesh.size, data_share(cfg, mesh))  # data errors before the model is built
     ckpt = Checkpointer(run_dir / "checkpoints", cfg) if cfg.enable_checkpointing else None
     resume = ckpt.resume_step(log) if ckpt is not None else None
     if resume is not None:
@@ -243,12 +243,13 @@ def _initial_state(cfg, run_dir: Path, mesh, setup: TrainSetup, ckpt, resume, tr
     return state
 
 
-def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_consecutive_skips: int = 5,
+def run(cfg, run_dir, make_iter: Callable[..., Iterator], *, max_consecutive_skips: int = 5,
         dry_run_only: bool = False, tensorboard: bool = True, log: Callable[[str], None] = print,
         stop_after: Optional[int] = None, devices=None) -> RunResult:
     """Trains `cfg.steps` steps (resuming from the newest good checkpoint in run_dir).
 
-    make_iter(cfg, split, num_devices) gives this host's batches [M, b, S]; `devices`
+    make_iter(cfg, split, num_devices, share) gives this host's batches [M, b, S] (the rows of its
+    `runtime.DataShare`, whole: a context group spanning processes loads the same rows in each); `devices`
     (default: all) make the mesh. `dry_run_only` compiles the step and returns (see `dry_run`).
     Everything a user can get wrong (run_dir, mesh, data, the checkpoint to resume and its config,
     load_parameters_path) is checked before the model is built. Each step: the stop checks, the next
@@ -256,8 +257,7 @@ def run(cfg, run_dir, make_iter: Callable[[object, str, int], Iterator], *, max_
     """
     run_dir = Path(run_dir)
     mesh = make_mesh(cfg, devices)
-    if jax.process_count() > 1:
-        check_context_groups(mesh.devices)  # each process loads whole rows
+    data_share(cfg, mesh)  # a process's devices must hold one block of rows and positions
     if dry_run_only:
         dry_run(cfg, mesh, log)
         return RunResult({}, 0, run_dir, run_dir / "checkpoints", run_dir / "metrics.jsonl", 0, False)

@@ -8,6 +8,7 @@ Parameters carry logical axis names (`out_sharding` metadata); the config's
 
 import math
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -91,16 +92,38 @@ def make_mesh(cfg, devices=None) -> Mesh:
     return Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
-def check_context_groups(devices: np.ndarray) -> None:
-    """ConfigError when one sequence's context shards (the devices along the context axis) live in several
-    processes: each process loads whole rows (`to_global`), so a row's shards must be on its devices."""
-    by_group = np.moveaxis(devices, MESH_AXES.index("context"), -1).reshape(-1, devices.shape[MESH_AXES.index("context")])
-    for group in by_group:
-        procs = {getattr(d, "process_index", 0) for d in group}
-        if len(procs) > 1:
-            raise ConfigError(f"ici_context_parallelism / dcn_context_parallelism: a sequence's {len(group)} context "
-                              f"shards would span processes {sorted(procs)}; each process loads whole rows, so "
-                              "keep the context axis within the devices of one host")
+class DataShare(NamedTuple):
+    """This process's part of every global batch [M, b, S]: the rows of row group `group` of `groups` (the loader's
+    share: Megatron's contiguous data-parallel slice of the samples) and positions [start, stop) of each row.
+    The processes of one context group load the same samples and keep each their own token range."""
+    group: int
+    groups: int
+    start: int
+    stop: int
+
+
+def share_of(blocks, rows: int, length: int) -> DataShare:
+    """The DataShare of a process whose devices hold `blocks` {(row start, row stop, position start, position
+    stop)} of a [rows, length] micro-batch. ConfigError unless they tile one block of whole row groups."""
+    r0, r1 = min(b[0] for b in blocks), max(b[1] for b in blocks)
+    p0, p1 = min(b[2] for b in blocks), max(b[3] for b in blocks)
+    n = r1 - r0
+    if sum((b[1] - b[0]) * (b[3] - b[2]) for b in blocks) != n * (p1 - p0) or rows % n or r0 % n:
+        raise ConfigError(f"mesh: this process's devices hold rows {sorted({b[:2] for b in blocks})} x positions "
+                          f"{sorted({b[2:] for b in blocks})} of each [{rows}, {length}] micro-batch: not one block "
+                          "of whole row groups; order the devices so each process holds one range of rows and of "
+                          "positions")
+    return DataShare(r0 // n, rows // n, p0, p1)
+
+
+def data_share(cfg, mesh: Mesh) -> DataShare:
+    """This process's DataShare under `batch_sharding`: whole rows unless the context axis spans processes."""
+    b, S = cfg.micro_batch_size(mesh.size), cfg.max_target_length
+    if jax.process_count() == 1:
+        return DataShare(0, 1, 0, S)
+    held = batch_sharding(cfg, mesh, b, S).addressable_devices_indices_map((1, b, S)).values()
+    return share_of({(r.start or 0, b if r.stop is None else r.stop, p.start or 0, S if p.stop is None else p.stop)
+                     for _, r, p in held}, b, S)
 
 
 def state_shardings(state, mesh: Mesh, rules):
@@ -126,18 +149,20 @@ def batch_sharding(cfg, mesh: Mesh, rows: int, length: int) -> NamedSharding:
 
 
 def to_global(batch: dict, cfg, mesh) -> dict:
-    """Host-local numpy [M, b_local, S] -> global arrays [M, b, S], rows and positions sharded like activations.
-    Each process holds whole rows: with several processes, a sequence split over the context axis must
-    stay within the devices of the process holding its row."""
+    """This process's rows [M, b_local, S] of its row group (`data_share`) -> global arrays [M, b, S], rows and
+    positions sharded like activations. A process whose devices hold part of each row's positions (a context
+    group spanning processes) keeps only its own token range of the rows it was given."""
+    share = data_share(cfg, mesh)
     out = {}
     for k, x_MBS in batch.items():
         x_MBS = np.asarray(x_MBS)
         M, b, S = x_MBS.shape
-        shard = batch_sharding(cfg, mesh, b * jax.process_count(), S)
+        shard = batch_sharding(cfg, mesh, b * share.groups, S)
         if jax.process_count() == 1:
             out[k] = jax.device_put(x_MBS, shard)
         else:
-            out[k] = jax.make_array_from_process_local_data(shard, x_MBS, (M, b * jax.process_count(), S))
+            local = x_MBS[..., share.start:share.stop]
+            out[k] = jax.make_array_from_process_local_data(shard, local, (M, b * share.groups, S))
     return out
 
 

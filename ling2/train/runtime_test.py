@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -98,15 +97,18 @@ def test_context_axis_splits_batch_positions_and_is_checked_once_filled():
     assert runtime.batch_sharding(cfg, m, 2, 64).spec == P(None, None, "context")
 
 
-def test_context_group_across_processes_is_named():
-    class Dev:
-        def __init__(self, i, p):
-            self.id, self.process_index = i, p
-
-    arr = np.array([Dev(i, i // 2) for i in range(4)], dtype=object).reshape(1, 1, 1, 4, 1)
-    with pytest.raises(ValueError, match="context shards would span processes"):
-        runtime.check_context_groups(arr)
-    runtime.check_context_groups(arr.reshape(1, 2, 1, 2, 1))  # each pair on one process
+def test_data_share_of_a_process_from_the_blocks_its_devices_hold():
+    """Hand-made layouts of a [4, 64] micro-batch: whole rows per process (Megatron's data-parallel slices), a
+    context group spanning processes (every process the same rows, its own positions), and pieces that are no
+    block of whole row groups (a named error)."""
+    assert runtime.share_of({(2, 4, 0, 64)}, 4, 64) == runtime.DataShare(1, 2, 0, 64)
+    assert runtime.share_of({(0, 2, 0, 32), (0, 2, 32, 64)}, 4, 64) == runtime.DataShare(0, 2, 0, 64)
+    quarter = {(0, 4, p, p + 8) for p in range(32, 64, 8)}  # 4 devices, each 8 positions of every row
+    assert runtime.share_of(quarter, 4, 64) == runtime.DataShare(0, 1, 32, 64)
+    with pytest.raises(ValueError, match="not one block of whole row groups"):
+        runtime.share_of({(0, 2, 0, 32), (2, 4, 32, 64)}, 4, 64)
+    with pytest.raises(ValueError, match="not one block"):
+        runtime.share_of({(1, 3, 0, 64)}, 4, 64)
 
 
 def test_ragged_exchange_on_cpu_is_a_named_error():

@@ -77,7 +77,7 @@ def test_consecutive_non_finite_steps_stop_with_last_good_checkpoint(tmp_path):
 
     logs = []
     with pytest.raises(loop.TrainingError, match="2 consecutive non-finite steps"):
-        loop.run(cfg, tmp_path, lambda c, s, n: Poisoned(real(c, s, n)), max_consecutive_skips=2,
+        loop.run(cfg, tmp_path, lambda c, s, n, share: Poisoned(real(c, s, n, share)), max_consecutive_skips=2,
                  tensorboard=False, log=logs.append, devices=jax.devices()[:1])
     assert any("update skipped" in line for line in logs)
     assert max(e2e.saved_steps(tmp_path)) == 2  # skipped steps are never checkpointed
@@ -150,8 +150,8 @@ def test_run_ending_on_a_skipped_step_saves_nothing_after_it(tmp_path, how):
     cfg = load_config(*e2e.MICRO, f"steps={steps}", "checkpoint_period=2", "async_checkpointing=false",
                       config_file=find_file("configs/train/tiny_sample.yml"))
     real = make_iterator_factory(find_file)
-    result = loop.run(cfg, tmp_path, lambda c, s, n: PoisonThird(real(c, s, n)), tensorboard=False, log=logs.append,
-                      devices=jax.devices()[:1])
+    result = loop.run(cfg, tmp_path, lambda c, s, n, share: PoisonThird(real(c, s, n, share)), tensorboard=False,
+                      log=logs.append, devices=jax.devices()[:1])
     assert result.final_step == 3 and result.stopped_by_signal == (how == "sigterm")
     assert any("step 3: non-finite" in line for line in logs)
     assert any("step 3 followed 1 skipped steps: not checkpointed" in line for line in logs), logs

@@ -43,13 +43,17 @@ def _dest(c: int, n: int) -> int:
     return c if c < n else 2 * n - 1 - c
 
 
+def _permute(x, axis_name, pairs):
+    return x if all(a == b for a, b in pairs) else jax.lax.ppermute(x, axis_name, pairs)
+
+
 def _to_zigzag(x_half, parity: int, n: int, axis_name):
     """Chunks 2i + parity (one per device i) moved to the devices that attend for them."""
-    return jax.lax.ppermute(x_half, axis_name, [(i, _dest(2 * i + parity, n)) for i in range(n)])
+    return _permute(x_half, axis_name, [(i, _dest(2 * i + parity, n)) for i in range(n)])
 
 
 def _from_zigzag(x_half, parity: int, n: int, axis_name):
-    return jax.lax.ppermute(x_half, axis_name, [(_dest(2 * i + parity, n), i) for i in range(n)])
+    return _permute(x_half, axis_name, [(_dest(2 * i + parity, n), i) for i in range(n)])
 
 
 def to_zigzag(x_BT_, axis_name):

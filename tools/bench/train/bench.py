@@ -54,7 +54,7 @@ def bench_model(name: str) -> dict:
     setup = abstract_state(cfg, mesh)
     state = init_state(cfg, mesh, setup)
     step_fn = step_lib.jit_train_step(setup.graphdef, setup.tx, cfg, setup.schedule)
-    it = make_iterator_factory(find_file)(cfg, "train", mesh.size)
+    it = make_iterator_factory(find_file)(cfg, "train", mesh.size, runtime.data_share(cfg, mesh))
     with jax.set_mesh(mesh):
         batch = runtime.to_global(next(it), cfg, mesh)
         compiled = step_fn.lower(state, batch).compile()
