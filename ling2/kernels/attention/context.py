@@ -74,8 +74,8 @@ def from_zigzag(x_BT_, axis_name):
 def balanced_context_attention(q_BTHK, k_BSHK, v_BSHV, q_segment_BT, kv_segment_BS, scale, *, axis_name,
                                block: int):
     """Inside `shard_map`: this device's contiguous shard of queries (shard i of n along `axis_name`, T = S/n
-    positions, T even) against all S keys and values; o [B, T, H, V] in q's dtype, equal to
-    `context_attention`'s. `block`: keys per scan step (its largest divisor of T/2)."""
+    positions, T even) against all S keys and values: o [B, T, H, V] in q's dtype, each query's causal
+    same-document attention over the whole sequence. `block`: keys per scan step (its largest divisor of T/2)."""
     n = jax.lax.axis_size(axis_name)
     B, T, H, _ = q_BTHK.shape
     S = k_BSHK.shape[1]
