@@ -110,18 +110,17 @@ def test_state_crosses_every_shard_of_one_document():
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake) devices")
-def test_flops_one_probe_pass():
+def test_flops_probe_and_second_pass():
     """Training FLOPs (forward and backward) of one shard under CP against the same kernel on the same shard
     without CP. Counted: XLA's cost analysis of the compiled shard_map over 4 fake CPU devices (one device's
     count), both sides on the chunked backend with chunks of 64 and shards of 512 tokens, K = V = 128 (the
     configs' head dim), every lax.scan unrolled (`compiled_flops`: a loop body would otherwise count once).
 
-    CP runs the kernel once on V + K value columns ([v | 0] from [0 | I]); the decay products and the chunk
-    inverse do not depend on the width and are shared, the rest doubles at K = V. With the correction
-    W S_in, one K x V matmul per token each way, and the fold of A_j over the earlier shards: measured
-    1.86x, asserted <= 1.9 (a second kernel pass from the entering state instead of the correction: 2.47x;
-    shards of 4096 tokens over 8 devices: 1.82x). GLA's 1.25x is out of reach while the transition has to
-    come out of the kernel as K extra value columns."""
+    CP runs the probe pass on V + K value columns ([v | 0] from [0 | I]: the shard's end state and transition)
+    and then the kernel again from the entering state: measured 2.47x. The probe's outputs also carry q_t P_t,
+    so o = o_local + (q_t P_t) S_in would save the second pass (measured 1.86x), but the different rounding
+    moved ling3-micro's updated parameters by 2e-5 relative at context 8 (`ling2/train/context_parallel_test`
+    holds CP within 1e-5 of one device), so the two-pass form stays."""
     n, Tl, Hh, D, Cc = 4, 512, 2, 128, 64
     mesh = Mesh(np.asarray(jax.devices()[:n]), ("context",))
     seq = P(None, "context")
@@ -136,4 +135,4 @@ def test_flops_one_probe_pass():
     kw = dict(chunk_size=Cc, backend="chunked")
     local = compiled_flops(training(lambda *a: kda.kda(*a[:-1], segment_ids=a[-1], **kw)), *args)
     cp = compiled_flops(training(lambda *a: kda_cp(*a[:-1], axis_name="context", segment_ids=a[-1], **kw)), *args)
-    assert cp / local <= 1.9, cp / local
+    assert cp / local <= 2.6, cp / local
