@@ -178,16 +178,12 @@ def roofline(hlo_text: str, mesh_shape: dict, chip, compute_s: float, cfg) -> di
     out["roofline_step_s"] = max(terms.values())
     out["roofline_bound"] = max(terms, key=terms.get)
     context = mesh_shape.get("context", 1)
-    if context > 1:
-        # flash (splash) keeps the queries in contiguous shards: the last one's see every key; the other
-        # kernels move them to the zigzag layout (`ling2.kernels.attention.context`)
+    if context > 1:  # every kernel attends for the queries in the zigzag layout (`ling2.kernels.attention.context`)
         from ling2.kernels.attention.context import key_blocks_per_device
 
         work = key_blocks_per_device(context)
-        flash = cfg.attention_kernel == "flash"
-        out["full_attention_context_layout"] = "contiguous" if flash else "zigzag"
-        out["full_attention_context_imbalance"] = (2 * context - 1) / context if flash else max(work) / (
-            sum(work) / context)
+        out["full_attention_context_layout"] = "zigzag"
+        out["full_attention_context_imbalance"] = max(work) / (sum(work) / context)
     return out
 
 
