@@ -240,6 +240,8 @@ def test_ling3_layer_rule_keeps_a_trailing_partial_group_linear():
      r"context x gla_chunk_size = 8 x 8"),
     (dict(model_name="ling3-tiny", max_target_length=256, kda_chunk_size=64, ici_context_parallelism=2,
           dcn_context_parallelism=4), r"context parallelism 8 needs .* 8 x 64"),
+    (dict(model_name="ling2-micro", max_target_length=24, gla_chunk_size=3, ici_context_parallelism=8),
+     r"context parallelism 8 needs max_target_length \(24\) to be a multiple of 2 x context"),
     (dict(model_name="ling2-micro", max_target_length=512, attention_kernel="flash", ici_context_parallelism=4),
      r"context parallelism 4 with attention_kernel=flash needs max_target_length \(512\) / \(2 x context\) to be "
      r"a multiple of 128"),

@@ -257,7 +257,6 @@ def run(cfg, run_dir, make_iter: Callable[..., Iterator], *, max_consecutive_ski
     """
     run_dir = Path(run_dir)
     mesh = make_mesh(cfg, devices)
-    data_share(cfg, mesh)  # a process's devices must hold one block of rows and positions
     if dry_run_only:
         dry_run(cfg, mesh, log)
         return RunResult({}, 0, run_dir, run_dir / "checkpoints", run_dir / "metrics.jsonl", 0, False)
