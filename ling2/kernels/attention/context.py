@@ -39,6 +39,15 @@ def key_blocks_per_device(n: int) -> list[int]:
     return [(lo + 1) + (hi + 1) for lo, hi in zigzag_chunks(n)]
 
 
+def zigzag_chunk(d, half, n: int):
+    """The chunk (of 2n) device d attends for in its half `half` (0: the even one of {d, 2n-1-d}, 1: the odd
+    one), the order `to_zigzag` puts them in. Integer arithmetic only: Python, numpy or jax ints."""
+    par = d % 2
+    even = d * (1 - par) + (2 * n - 1 - d) * par
+    odd = (2 * n - 1 - d) * (1 - par) + d * par
+    return even * (1 - half) + odd * half
+
+
 def _dest(c: int, n: int) -> int:
     return c if c < n else 2 * n - 1 - c
 
@@ -85,8 +94,7 @@ def balanced_context_attention(q_BTHK, k_BSHK, v_BSHV, q_segment_BT, kv_segment_
     C = T // 2
     block = math.gcd(min(block, C), C)
     d = jax.lax.axis_index(axis_name)
-    # the received chunks are d and 2n-1-d, the even one first
-    chunk_2 = jnp.stack([jnp.where(d % 2 == 0, d, 2 * n - 1 - d), jnp.where(d % 2 == 0, 2 * n - 1 - d, d)])
+    chunk_2 = jnp.stack([zigzag_chunk(d, 0, n), zigzag_chunk(d, 1, n)])
     q_2BCHK = jnp.stack(jnp.split(to_zigzag(q_BTHK, axis_name), 2, axis=1))
     seg_2BC = jnp.stack(jnp.split(to_zigzag(q_segment_BT, axis_name), 2, axis=1))
     o_2BCHV = zigzag_local(q_2BCHK, k_BSHK, v_BSHV, seg_2BC, kv_segment_BS, chunk_2, scale, C, block,
@@ -95,8 +103,8 @@ def balanced_context_attention(q_BTHK, k_BSHK, v_BSHV, q_segment_BT, kv_segment_
 
 
 def _steps(chunk_2, C: int, block: int, j):
-    """Scan step j: (which of the two chunks, its key block, whether the step is real): the lower chunk's
-    (chunk+1) C / block blocks first, then the higher one's."""
+    """Scan step j: (which of the two chunks, its key block): the lower chunk's (chunk+1) C / block blocks
+    first, then the higher one's."""
     per = C // block
     lo = jnp.argmin(chunk_2)
     n_lo = (chunk_2[lo] + 1) * per

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ling2.kernels.attention.context import zigzag_chunk
+
 
 @functools.cache
 def causal_mask(T: int):
@@ -37,11 +39,7 @@ def zigzag_position(r, T: int, n: int):
     `ling2.kernels.attention.context.to_zigzag` moves them. Integer arithmetic only, so the kernel can
     evaluate it too."""
     C = T // (2 * n)
-    d, half = r // (2 * C), (r // C) % 2
-    par = d % 2
-    even = d * (1 - par) + (2 * n - 1 - d) * par
-    odd = (2 * n - 1 - d) * (1 - par) + d * par
-    return (even * (1 - half) + odd * half) * C + r % C
+    return zigzag_chunk(r // (2 * C), (r // C) % 2, n) * C + r % C
 
 
 @functools.cache
