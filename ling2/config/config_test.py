@@ -256,18 +256,22 @@ def test_context_parallelism_must_split_whole_kernel_chunks(overrides, message):
 
 
 def test_long_context_configs():
-    """configs/train's extension stages: ling2 32K -> 128K by YaRN over the 4K of pre-training (the 128K stage
-    inherits the 32K file), ling3 at 128K within its native RoPE; each splits a sequence over 4 context shards."""
+    """configs/train's extension stages: ling2 32K -> 128K -> 256K by YaRN over the 4K of pre-training (each
+    stage inherits the one before), ling3 at 128K within its native RoPE; a sequence split over 4 context shards,
+    8 at 256K."""
     from ling2.config.paths import find_file
 
     k32 = load_config(config_file=find_file("configs/train/ling2-32k.yml"))
     k128 = load_config(config_file=find_file("configs/train/ling2-128k.yml"))
+    k256 = load_config(config_file=find_file("configs/train/ling2-256k.yml"))
     l3 = load_config(config_file=find_file("configs/train/ling3-128k.yml"))
     assert (k32.rope_type, k32.rope_factor, k32.max_target_length) == ("yarn", 8, 32768)
     assert (k128.rope_type, k128.rope_factor, k128.max_target_length) == ("yarn", 32, 131072)
+    assert (k256.rope_type, k256.rope_factor, k256.max_target_length) == ("yarn", 64, 262144)
+    assert k256.original_max_position_embeddings == 4096 and k256.max_position_embeddings == 262144
     assert (l3.rope_type, l3.max_target_length, l3.max_position_embeddings) == ("default", 131072, 262144)
-    for cfg in (k32, k128, l3):
-        assert cfg.ici_context_parallelism == 4 and cfg.context_problem(4) is None
+    for cfg, context in ((k32, 4), (k128, 4), (k256, 8), (l3, 4)):
+        assert cfg.ici_context_parallelism == context and cfg.context_problem(context) is None
 
 
 @pytest.mark.parametrize("proxy, full, differ, layer_types", [

@@ -3,7 +3,8 @@
 With no arguments it trains ling2-tiny on the bundled sample data on CPU
 (configs/train/tiny_sample.yml). Every config key can be overridden as key=value;
 flags cover what is not model config. Exit status: 0 done (or stopped by a signal after
-saving), 2 bad input (one `error:` message naming the file, field or path), 1 a bug.
+saving; --preempted_exit_code sets another status for that case), 2 bad input (one `error:` message
+naming the file, field or path), 1 a bug.
 """
 
 import sys
@@ -24,6 +25,9 @@ flags.DEFINE_bool("tensorboard", True, "Write TensorBoard event files next to me
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 for multi-host (or LING2_COORDINATOR).")
 flags.DEFINE_integer("num_processes", None, "Number of processes (or LING2_NUM_PROCESSES).")
 flags.DEFINE_integer("process_id", None, "This process's index (or LING2_PROCESS_ID).")
+flags.DEFINE_integer("preempted_exit_code", 0, "Exit status after a signal stopped the run and its checkpoint was "
+                     "saved, before its last step: a launcher tells a preemption (requeue) from the end "
+                     "(tools/launch/slurm.sbatch sets 75).")
 
 def main(argv):
     from absl import logging
@@ -64,7 +68,7 @@ def main(argv):
     if not FLAGS.dry_run and jax.process_index() == 0:
         print(f"checkpoints: {result.checkpoint_dir}")
         print(f"metrics:     {result.metrics_path} (TensorBoard: {result.run_dir / 'tensorboard'})")
-    return 0
+    return FLAGS.preempted_exit_code if not FLAGS.dry_run and result.stopped_by_signal else 0
 
 
 def parse_flags(argv):

@@ -1,9 +1,10 @@
 """The trainer binary: kill -9 then resume reproduces the losses (and metrics.jsonl holds each step once);
-SIGTERM saves and exits 0."""
+SIGTERM saves and exits 0, or --preempted_exit_code."""
 
 import json
 import re
 import signal
+import subprocess
 
 from ling2.train.metrics import read_metrics
 from ling2.train.testing import e2e
@@ -51,3 +52,22 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     assert "received SIGTERM" in out
     saved = e2e.saved_steps(tmp_path)
     assert saved and saved[-1] >= 2 and saved[-1] < 1000
+
+
+def test_preempted_exit_code_tells_a_signal_stop_from_the_end(tmp_path):
+    """--preempted_exit_code (tools/launch sets 75): a SIGTERM stop saves and exits with it, so a launcher
+    requeues; a run that reaches its last step still exits 0."""
+    def start(run_dir, *overrides):
+        return subprocess.Popen(e2e.binary() + [f"--run_dir={run_dir}", "--notensorboard", "--preempted_exit_code=75",
+                                                "--", *e2e.MICRO, *overrides],
+                                env=e2e.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    p = start(tmp_path / "stopped", "steps=100000", "checkpoint_period=1000")
+    e2e.wait_for(lambda: e2e.logged(tmp_path / "stopped") >= 2, p)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 75, out
+    assert e2e.saved_steps(tmp_path / "stopped")[-1] >= 2
+    p = start(tmp_path / "done", "steps=2")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0 and e2e.saved_steps(tmp_path / "done") == [2], out

@@ -1,5 +1,5 @@
 """tools/launch/jobset: v5p-64 manifests (one slice and two) checked against the real JobSet CRD schema
-(third_party/jobset), the checker shown to reject a misspelled field, a wrong type and a missing field,
+(tools/launch/jobset_crd), the checker shown to reject a misspelled field, a wrong type and a missing field,
 and the CLI's bad inputs as named errors with exit status 2."""
 
 import copy
@@ -16,10 +16,10 @@ from ling2.config.paths import find_file
 from tools.launch import jobset, openapi_check
 
 REPO = Path(__file__).resolve().parents[2]
-CRD = "third_party/jobset/jobset.x-k8s.io_jobsets.yaml"
+CRD = "tools/launch/jobset_crd/jobset.x-k8s.io_jobsets.yaml"
 ARGS = dict(name="ling2-v5p", image="us-docker.pkg.dev/p/ling2:1", config="configs/train/ling2.yml",
-            run_dir="gs://bucket/runs/ling2")
-OVERRIDES = ("train.steps=1000", "optim.lr=3e-4")
+            run_dir="/gcs/runs/ling2", gcs_bucket="ling2-runs")
+OVERRIDES = ("steps=1000", "learning_rate=3e-4")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,12 @@ def test_v5p_64_one_slice(crd):
     assert c["resources"] == {"requests": {"google.com/tpu": 4}, "limits": {"google.com/tpu": 4}}
     assert {"name": "LING2_DISTRIBUTED", "value": "auto"} in c["env"]
     assert c["command"] == ["python", "-m", "ling2.train.train", "--config=configs/train/ling2.yml",
-                            "--run_dir=gs://bucket/runs/ling2", *OVERRIDES]
+                            "--run_dir=/gcs/runs/ling2", "--preempted_exit_code=75", "--", *OVERRIDES]
+    assert pod["terminationGracePeriodSeconds"] == 300
+    assert c["volumeMounts"] == [{"name": "gcs", "mountPath": "/gcs"}]
+    assert pod["volumes"][0]["csi"] == {"driver": "gcsfuse.csi.storage.gke.io",
+                                        "volumeAttributes": {"bucketName": "ling2-runs"}}
+    assert _job(m)["template"]["spec"]["template"]["metadata"] == {"annotations": {"gke-gcsfuse/volumes": "true"}}
     assert "annotations" not in m["metadata"]
 
 
@@ -163,6 +168,8 @@ def test_cli_writes_the_manifest(crd, tmp_path):
     (dict(max_restarts=-1), (), "error: --max_restarts -1"),
     (dict(image=None), (), "error: --image is required"),
     (dict(run_dir=None), (), "error: --run_dir is required"),
+    (dict(run_dir="gs://b/r"), (), "error: --run_dir 'gs://b/r': must be an absolute path every host sees"),
+    (dict(gcs_bucket="Bad Bucket"), (), "error: --gcs_bucket 'Bad Bucket': not a Cloud Storage bucket name"),
     (dict(topology=None), (), "error: --topology is required"),
     ({}, ("--", "train.steps"), "error: override 'train.steps': expected key=value"),
 ])

@@ -77,6 +77,11 @@ PLANS.update({
                                           "per_device_batch_size=0.125", "ici_fsdp_parallelism=2",
                                           "ici_expert_parallelism=8", "ici_context_parallelism=8",
                                           _rules_with(embed=["fsdp", "expert", "context"]), "mu_dtype=bfloat16"]),
+    # Ring-2.5's YaRN stage: 16 sequences of 262,144 tokens (4M tokens), each split 8 ways
+    "ling2 256k v5p-256": ("v5p-256", 1, ["max_target_length=262144", "max_position_embeddings=262144",
+                                          "rope_factor=64", "original_max_position_embeddings=4096", *_LONG,
+                                          "per_device_batch_size=0.125", "ici_fsdp_parallelism=2",
+                                          "ici_expert_parallelism=8", "ici_context_parallelism=8"]),
     "ling2 1m v5p-256": ("v5p-256", 1, ["max_target_length=1048576", "max_position_embeddings=1048576",
                                         "rope_factor=256", "original_max_position_embeddings=4096", *_LONG,
                                         "per_device_batch_size=0.0078125", "ici_fsdp_parallelism=1",
