@@ -4,7 +4,7 @@ import enum
 from typing import Literal
 
 
-ModelName = Literal["default", "ling2", "ling2-tiny", "ling2-small", "ling2-micro", "ling2-1gpu", "ling3", "ling3-tiny",
+ModelName = Literal["default", "ling2", "ling2-tiny", "ling2-small", "ling2-micro", "ling2-1gpu", "ling2.5-1t", "ling3", "ling3-tiny",
                     "ling3-small", "ling3-1gpu"]
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]

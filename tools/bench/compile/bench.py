@@ -87,6 +87,20 @@ PLANS.update({
                                         "per_device_batch_size=0.0078125", "ici_fsdp_parallelism=1",
                                         "ici_context_parallelism=128", "attention_block_size=2048"]),
 })
+# The flagship, Ling-2.5-1T (configs/models/ling2.5-1t.yml, 1.03T parameters): 4M tokens per step at 4K (1,024
+# sequences as 4 micro-batches of one per chip) and at 128K (32 sequences, each split 8 ways over the context axis);
+# non-expert weights over fsdp and expert, Adam's first moment in bf16.
+_1T = ["model_name=ling2.5-1t", "remat_policy=full", "mu_dtype=bfloat16", _EMBED_OVER_EXPERT]
+PLANS.update({
+    "ling2.5-1t v5p-512": ("v5p-512", 1, [*_1T, "ici_fsdp_parallelism=32", "ici_expert_parallelism=8",
+                                          "per_device_batch_size=1", "gradient_accumulation_steps=4"]),
+    "ling2.5-1t 128k v5p-512": ("v5p-512", 1, [*_1T, "max_target_length=131072",
+                                               "attention_kernel=flash", "ici_fsdp_parallelism=4",
+                                               "ici_expert_parallelism=8", "ici_context_parallelism=8",
+                                               "per_device_batch_size=0.125", "gradient_accumulation_steps=1"]),
+    "ling2.5-1t h100-256": ("h100-256", 1, [*_1T, "ici_fsdp_parallelism=32", "ici_expert_parallelism=8",
+                                            "per_device_batch_size=1", "gradient_accumulation_steps=4"]),
+})
 # Expert-parallel exchange (issue 28): "auto" is the ragged all-to-all on TPU, its receive buffers bounded at
 # twice the balanced share (the default); these run the padded exchange and the unbounded ragged one beside it.
 PLANS.update({f"{name} padded": (PLANS[name][0], 1, [*PLANS[name][2], "moe_ep_all_to_all=padded"])

@@ -1,0 +1,68 @@
+"""The flagship (Ling-2.5-1T / Ring-2.5-1T) at its real size, abstractly: its config.json (reconstructed:
+ling2/convert/testing/ling2.5-1t_config.md) reads into configs/models/ling2.5-1t.yml and back unchanged, Ling2's
+count of it is the model card's 1T total / 63B active, and the converter's names and shapes for every one of
+its 60,199 HF tensors, MTP included, follow from the config's widths (shapes only: nothing materialised)."""
+
+import json
+import math
+from collections import Counter
+
+from ling2.config import load_config
+from ling2.config.paths import find_file
+from ling2.convert import hf_config
+from ling2.convert.convert import hf_specs
+from ling2.layers.model import count_params
+from ling2.layers.spec import ModelSpec
+
+SRC = json.loads(find_file("ling2/convert/testing/ling2.5-1t_config.json").read_text())
+D, F_DENSE, F_MOE, E, H, HD, L = 8192, 18432, 2048, 256, 64, 128, 80
+
+
+def test_config_json_reads_into_the_model_file_and_back():
+    cfg = load_config(model_name="ling2.5-1t")
+    fields = hf_config.hf_to_overrides(SRC, hf_config.detect_layout(SRC))
+    got = cfg.model_dump()
+    # the published file's 0 is an inference setting; pre-training keeps base.yml's MTP loss weight
+    assert {k: got[k] for k in fields if k != "mtp_loss_scaling_factor"} == \
+        {k: v for k, v in fields.items() if k != "mtp_loss_scaling_factor"}
+    back = hf_config.load_ling2_config(SRC, "bailing")
+    assert json.loads(json.dumps(hf_config.config_to_hf(back, "bailing", "bfloat16"))) == SRC  # bf16 weights
+
+
+def test_counts_are_the_model_cards():
+    """1T total, 63B active (Ling-2.5-1T's card). By hand: 76 MoE layers x 256 experts x 3 x D x 2048 = 979B."""
+    c = count_params(ModelSpec.of(load_config(model_name="ling2.5-1t")))
+    assert 76 * E * 3 * D * F_MOE == 979_252_543_488
+    assert 1.00e12 < c["decoder"] < 1.03e12
+    mtp_inactive = 3 * D * F_MOE * (E - 8)
+    assert 62.5e9 < c["active"] - (c["mtp"] - mtp_inactive) < 64.5e9
+
+
+def test_hf_names_and_shapes_follow_the_widths():
+    specs = {n: s for n, s, _ in hf_specs(load_config(model_name="ling2.5-1t"), "bailing")}
+    assert len(specs) == 60_199
+    total = count_params(ModelSpec.of(load_config(model_name="ling2.5-1t")))["total"]
+    assert sum(math.prod(s) for s in specs.values()) == total + (L - 4 + 1) * E  # + each MoE layer's expert bias
+    mla = [i for i in range(L + 1) if f"model.layers.{i}.attention.q_a_proj.weight" in specs]
+    gla = [i for i in range(L) if f"model.layers.{i}.attention.query_key_value.weight" in specs]
+    dense = [i for i in range(L) if f"model.layers.{i}.mlp.gate_proj.weight" in specs]
+    assert mla == [*range(7, L, 8), L] and len(gla) == 70 and dense == [0, 1, 2, 3]  # 10 MLA + MTP's
+    experts = Counter(n.split(".")[2] for n in specs if ".mlp.experts." in n and n.endswith("down_proj.weight"))
+    assert set(experts.values()) == {E} and len(experts) == L - 4 + 1
+    want = {
+        "model.word_embeddings.weight": (157184, D), "lm_head.weight": (157184, D),
+        "model.layers.0.attention.query_key_value.weight": (3 * H * HD, D),
+        "model.layers.0.attention.g_proj.weight": (H * HD, D), "model.layers.0.attention.dense.weight": (D, H * HD),
+        "model.layers.0.mlp.down_proj.weight": (D, F_DENSE),
+        "model.layers.7.attention.q_a_proj.weight": (1536, D),
+        "model.layers.7.attention.q_b_proj.weight": (H * (128 + 64), 1536),
+        "model.layers.7.attention.kv_a_proj_with_mqa.weight": (512 + 64, D),
+        "model.layers.7.attention.kv_b_proj.weight": (H * (128 + 128), 512),
+        "model.layers.79.mlp.gate.weight": (E, D), "model.layers.79.mlp.gate.expert_bias": (E,),
+        "model.layers.79.mlp.experts.255.gate_proj.weight": (F_MOE, D),
+        "model.layers.79.mlp.experts.255.down_proj.weight": (D, F_MOE),
+        "model.layers.79.mlp.shared_experts.down_proj.weight": (D, F_MOE),
+        "model.layers.80.eh_proj.weight": (D, 2 * D), "model.layers.80.enorm.weight": (D,),
+        "model.layers.80.mlp.experts.0.up_proj.weight": (F_MOE, D),
+    }
+    assert {n: specs.get(n) for n in want} == want
