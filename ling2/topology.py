@@ -5,7 +5,7 @@ Names follow Cloud TPU / MaxText usage:
                 JAX sees one device per chip (megacore). 4, 8, 16, 32 chips, then any multiple
                 of 64 chips (whole 4x4x4 cubes, shaped as close to a cube as the count allows).
   v5e-N, v6e-N  N counts chips (one TensorCore each): 1, 4, 8, 16, 32, 64, 128, 256 (2D).
-  h100-N        N NVIDIA H100 SXM GPUs: 1, 2, 4, 8 on one host, or 8 per host (N a multiple of 8).
+  h100-N, h200-N  N NVIDIA H100 / H200 SXM GPUs: 1, 2, 4, 8 on one host, or 8 per host (N a multiple of 8).
 `num_slices` > 1 asks for that many identical TPU slices joined over the data-center network
 (multi-slice; each device has a `slice_index`). `devices()` runs the real topology code of
 libtpu (`jax[tpu]`) or of JAX's CUDA plugin (`jax[cuda12]`), with no accelerator attached:
@@ -45,10 +45,12 @@ CHIPS = {
     "v5p": Chip("v5p", "tpu", "TPU v5", 95 * GiB, 459e12, 2, 2765e9, 1200e9),
     "v6e": Chip("v6e", "tpu", "TPU v6 lite", 32 * GiB, 918e12, 1, 1638e9, 800e9),
     "h100": Chip("h100", "cuda", "NVIDIA H100 80GB HBM3", 84_942_979_072, 989e12, 1, 3.35e12, 900e9),
+    "h200": Chip("h200", "cuda", "NVIDIA H200", 150_754_820_096, 989e12, 1, 4.8e12, 900e9),
 }
 CHIP_SOURCES = {"v4": "https://cloud.google.com/tpu/docs/v4", "v5e": "https://cloud.google.com/tpu/docs/v5e",
                 "v5p": "https://cloud.google.com/tpu/docs/v5p", "v6e": "https://cloud.google.com/tpu/docs/v6e",
-                "h100": "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"}
+                "h100": "NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
+                "h200": "NVIDIA H200 Tensor Core GPU datasheet (SXM); memory as nvidia-smi reported a lent H200"}
 _ALIASES = {"v5litepod": "v5e"}
 _CUBE_CHIPS = 64  # a 4x4x4 cube: v4 / v5p slices this size and up are whole cubes, wrapped
 _MAX_CHIPS = {"v4": 4096, "v5p": 8960}
@@ -72,7 +74,12 @@ platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 8 }
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
-_GPU_TARGETS = {"h100": _H100_TARGET}
+# An H200 SXM: the H100's Hopper die (sm_90, 132 SMs) with 141 GB of HBM3e at 4.8 TB/s; the memory size is
+# what nvidia-smi reported on the H200 this project was lent (143,771 MiB).
+_H200_TARGET = (_H100_TARGET.replace("memory_bandwidth: 3352320000000", "memory_bandwidth: 4800000000000")
+                .replace("device_memory_size: 84942979072", "device_memory_size: 150754820096")
+                .replace('"NVIDIA H100 80GB HBM3"', '"NVIDIA H200"'))
+_GPU_TARGETS = {"h100": _H100_TARGET, "h200": _H200_TARGET}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,16 @@ def test_h100_hosts():
     assert sorted({d.process_index for d in devs}) == [0, 1]  # 2 hosts of 8
 
 
+def test_h200_hosts_carry_their_memory():
+    """The H200 target (H100's Hopper die with 141 GB): 8 per host, and a sharded program compiles for it."""
+    devs = topology.devices("h200-16")
+    assert len(devs) == 16 and {d.device_kind for d in devs} == {"NVIDIA H200"}
+    assert sorted({d.process_index for d in devs}) == [0, 1]
+    x = jax.ShapeDtypeStruct((1 << 16, 1 << 16), jnp.bfloat16, sharding=NamedSharding(Mesh(np.array(devs), ("d",)),
+                                                                                      P("d")))
+    assert jax.jit(lambda a: a * 2).lower(x).compile().memory_analysis().argument_size_in_bytes == 2**29
+
+
 def test_sharded_compile_for_two_h100_hosts():
     """x [4096, 4096] bf16 split 2 ways over hosts (rows) and 8 ways over GPUs (columns), w
     [4096, 4096] split over rows 8 ways: each GPU holds 2048 x 512 of x and 512 x 4096 of w

@@ -66,6 +66,7 @@ def test_chip_table():
         "v5p": (95 * GiB, 459e12, "TPU v5"),
         "v6e": (32 * GiB, 918e12, "TPU v6 lite"),
         "h100": (84_942_979_072, 989e12, "NVIDIA H100 80GB HBM3"),
+        "h200": (143_771 * 2**20, 989e12, "NVIDIA H200"),  # nvidia-smi on the H200 this project was lent
     }
 
 
@@ -73,6 +74,7 @@ def test_gpu_names():
     assert topology.parse("h100-8").topology_name == "1x1x8"
     assert topology.parse("h100-32").topology_name == "4x1x8"  # 4 hosts, each its own NVLink domain
     assert topology.parse("h100-2").num_devices == 2
+    assert topology.parse("h200-256").topology_name == "32x1x8"
     with pytest.raises(ValueError, match="h100-16"):
         topology.parse("h100-8", num_slices=2)
 

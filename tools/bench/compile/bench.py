@@ -88,18 +88,43 @@ PLANS.update({
                                         "ici_context_parallelism=128", "attention_block_size=2048"]),
 })
 # The flagship, Ling-2.5-1T (configs/models/ling2.5-1t.yml, 1.03T parameters): 4M tokens per step at 4K (1,024
-# sequences as 4 micro-batches of one per chip) and at 128K (32 sequences, each split 8 ways over the context axis);
+# sequences as micro-batches of one per chip) and at 128K (32 sequences, each split 16 ways over the context axis);
 # non-expert weights over fsdp and expert, Adam's first moment in bf16.
 _1T = ["model_name=ling2.5-1t", "remat_policy=full", "mu_dtype=bfloat16", _EMBED_OVER_EXPERT]
 PLANS.update({
     "ling2.5-1t v5p-512": ("v5p-512", 1, [*_1T, "ici_fsdp_parallelism=32", "ici_expert_parallelism=8",
                                           "per_device_batch_size=1", "gradient_accumulation_steps=4"]),
-    "ling2.5-1t 128k v5p-512": ("v5p-512", 1, [*_1T, "max_target_length=131072",
-                                               "attention_kernel=flash", "ici_fsdp_parallelism=4",
-                                               "ici_expert_parallelism=8", "ici_context_parallelism=8",
-                                               "per_device_batch_size=0.125", "gradient_accumulation_steps=1"]),
+    "ling2.5-1t v5p-1024": ("v5p-1024", 1, [*_1T, "ici_fsdp_parallelism=64", "ici_expert_parallelism=8",
+                                           "per_device_batch_size=1", "gradient_accumulation_steps=2"]),
+    "ling2.5-1t 128k v5p-1024": ("v5p-1024", 1, [*_1T, _rules_with(embed=["fsdp", "expert", "context"]),
+                                                "max_target_length=131072",
+                                                "attention_kernel=flash", "ici_fsdp_parallelism=4",
+                                                "ici_expert_parallelism=8", "ici_context_parallelism=16",
+                                                "per_device_batch_size=0.0625", "gradient_accumulation_steps=1"]),
+    "ling2.5-1t 128k h100-512": ("h100-512", 1, [*_1T, _rules_with(embed=["fsdp", "expert", "context"]),
+                                                "max_target_length=131072", "ici_fsdp_parallelism=4",
+                                                "ici_expert_parallelism=8", "ici_context_parallelism=16",
+                                                "per_device_batch_size=0.0625", "gradient_accumulation_steps=1"]),
+    "ling2.5-1t 128k h200-512": ("h200-512", 1, [*_1T, _rules_with(embed=["fsdp", "expert", "context"]),
+                                                "max_target_length=131072", "ici_fsdp_parallelism=4",
+                                                "ici_expert_parallelism=8", "ici_context_parallelism=16",
+                                                "per_device_batch_size=0.0625", "gradient_accumulation_steps=1"]),
+    "ling2.5-1t 128k h100-1024": ("h100-1024", 1, [*_1T, _rules_with(embed=["fsdp", "expert", "context"]),
+                                                  "max_target_length=131072", "ici_fsdp_parallelism=4",
+                                                  "ici_expert_parallelism=8", "ici_context_parallelism=32",
+                                                  "per_device_batch_size=0.03125", "gradient_accumulation_steps=1"]),
+    "ling2.5-1t h200-128": ("h200-128", 1, [*_1T, "ici_fsdp_parallelism=16", "ici_expert_parallelism=8",
+                                            "per_device_batch_size=1", "gradient_accumulation_steps=8"]),
+    "ling2.5-1t h200-256": ("h200-256", 1, [*_1T, "ici_fsdp_parallelism=32", "ici_expert_parallelism=8",
+                                            "per_device_batch_size=1", "gradient_accumulation_steps=4"]),
     "ling2.5-1t h100-256": ("h100-256", 1, [*_1T, "ici_fsdp_parallelism=32", "ici_expert_parallelism=8",
                                             "per_device_batch_size=1", "gradient_accumulation_steps=4"]),
+    "ling2.5-1t h200-512": ("h200-512", 1, [*_1T, "ici_fsdp_parallelism=64", "ici_expert_parallelism=8",
+                                            "per_device_batch_size=1", "gradient_accumulation_steps=2"]),
+    "ling2.5-1t h100-512": ("h100-512", 1, [*_1T, "ici_fsdp_parallelism=64", "ici_expert_parallelism=8",
+                                            "per_device_batch_size=1", "gradient_accumulation_steps=2"]),
+    "ling2.5-1t h100-1024": ("h100-1024", 1, [*_1T, "ici_fsdp_parallelism=128", "ici_expert_parallelism=8",
+                                              "per_device_batch_size=1", "gradient_accumulation_steps=1"]),
 })
 # Expert-parallel exchange (issue 28): "auto" is the ragged all-to-all on TPU, its receive buffers bounded at
 # twice the balanced share (the default); these run the padded exchange and the unbounded ragged one beside it.
