@@ -88,43 +88,33 @@ PLANS.update({
                                         "ici_context_parallelism=128", "attention_block_size=2048"]),
 })
 # The flagship, Ling-2.5-1T (configs/models/ling2.5-1t.yml, 1.03T parameters): 4M tokens per step at 4K (1,024
-# sequences as micro-batches of one per chip) and at 128K (32 sequences, each split 16 ways over the context axis);
-# non-expert weights over fsdp and expert, Adam's first moment in bf16.
-_1T = ["model_name=ling2.5-1t", "remat_policy=full", "mu_dtype=bfloat16", _EMBED_OVER_EXPERT]
+# sequences as micro-batches of one per chip) and at 128K (32 sequences, each split over the context axis);
+# expert parallelism 8, non-expert weights over fsdp and expert (and context), Adam's first moment in bf16.
+_1T = ["model_name=ling2.5-1t", "remat_policy=full", "mu_dtype=bfloat16", _EMBED_OVER_EXPERT,
+       "ici_expert_parallelism=8"]
+
+
+def _1t_4k(topology: str, chips: int) -> tuple:
+    """4K: fsdp over chips / 8, one sequence per chip per micro-batch, 1,024 sequences per step."""
+    return (topology, 1, [*_1T, f"ici_fsdp_parallelism={chips // 8}", "per_device_batch_size=1",
+                          f"gradient_accumulation_steps={1024 // chips}"])
+
+
+def _1t_128k(topology: str, chips: int, context: int, *extra) -> tuple:
+    """128K: 32 sequences in one micro-batch, each over `context` chips; fsdp takes the rest."""
+    return (topology, 1, [*_1T, _rules_with(embed=["fsdp", "expert", "context"]), "max_target_length=131072",
+                          f"ici_fsdp_parallelism={chips // 8 // context}", f"ici_context_parallelism={context}",
+                          f"per_device_batch_size={32 / chips}", "gradient_accumulation_steps=1", *extra])
+
+
+PLANS.update({f"ling2.5-1t {t}": _1t_4k(t, n) for t, n in (
+    ("v5p-512", 256), ("v5p-1024", 512), ("h100-256", 256), ("h100-512", 512), ("h100-1024", 1024),
+    ("h200-128", 128), ("h200-256", 256), ("h200-512", 512))})
 PLANS.update({
-    "ling2.5-1t v5p-512": ("v5p-512", 1, [*_1T, "ici_fsdp_parallelism=32", "ici_expert_parallelism=8",
-                                          "per_device_batch_size=1", "gradient_accumulation_steps=4"]),
-    "ling2.5-1t v5p-1024": ("v5p-1024", 1, [*_1T, "ici_fsdp_parallelism=64", "ici_expert_parallelism=8",
-                                           "per_device_batch_size=1", "gradient_accumulation_steps=2"]),
-    "ling2.5-1t 128k v5p-1024": ("v5p-1024", 1, [*_1T, _rules_with(embed=["fsdp", "expert", "context"]),
-                                                "max_target_length=131072",
-                                                "attention_kernel=flash", "ici_fsdp_parallelism=4",
-                                                "ici_expert_parallelism=8", "ici_context_parallelism=16",
-                                                "per_device_batch_size=0.0625", "gradient_accumulation_steps=1"]),
-    "ling2.5-1t 128k h100-512": ("h100-512", 1, [*_1T, _rules_with(embed=["fsdp", "expert", "context"]),
-                                                "max_target_length=131072", "ici_fsdp_parallelism=4",
-                                                "ici_expert_parallelism=8", "ici_context_parallelism=16",
-                                                "per_device_batch_size=0.0625", "gradient_accumulation_steps=1"]),
-    "ling2.5-1t 128k h200-512": ("h200-512", 1, [*_1T, _rules_with(embed=["fsdp", "expert", "context"]),
-                                                "max_target_length=131072", "ici_fsdp_parallelism=4",
-                                                "ici_expert_parallelism=8", "ici_context_parallelism=16",
-                                                "per_device_batch_size=0.0625", "gradient_accumulation_steps=1"]),
-    "ling2.5-1t 128k h100-1024": ("h100-1024", 1, [*_1T, _rules_with(embed=["fsdp", "expert", "context"]),
-                                                  "max_target_length=131072", "ici_fsdp_parallelism=4",
-                                                  "ici_expert_parallelism=8", "ici_context_parallelism=32",
-                                                  "per_device_batch_size=0.03125", "gradient_accumulation_steps=1"]),
-    "ling2.5-1t h200-128": ("h200-128", 1, [*_1T, "ici_fsdp_parallelism=16", "ici_expert_parallelism=8",
-                                            "per_device_batch_size=1", "gradient_accumulation_steps=8"]),
-    "ling2.5-1t h200-256": ("h200-256", 1, [*_1T, "ici_fsdp_parallelism=32", "ici_expert_parallelism=8",
-                                            "per_device_batch_size=1", "gradient_accumulation_steps=4"]),
-    "ling2.5-1t h100-256": ("h100-256", 1, [*_1T, "ici_fsdp_parallelism=32", "ici_expert_parallelism=8",
-                                            "per_device_batch_size=1", "gradient_accumulation_steps=4"]),
-    "ling2.5-1t h200-512": ("h200-512", 1, [*_1T, "ici_fsdp_parallelism=64", "ici_expert_parallelism=8",
-                                            "per_device_batch_size=1", "gradient_accumulation_steps=2"]),
-    "ling2.5-1t h100-512": ("h100-512", 1, [*_1T, "ici_fsdp_parallelism=64", "ici_expert_parallelism=8",
-                                            "per_device_batch_size=1", "gradient_accumulation_steps=2"]),
-    "ling2.5-1t h100-1024": ("h100-1024", 1, [*_1T, "ici_fsdp_parallelism=128", "ici_expert_parallelism=8",
-                                              "per_device_batch_size=1", "gradient_accumulation_steps=1"]),
+    "ling2.5-1t 128k v5p-1024": _1t_128k("v5p-1024", 512, 16, "attention_kernel=flash"),
+    "ling2.5-1t 128k h100-512": _1t_128k("h100-512", 512, 16),
+    "ling2.5-1t 128k h200-512": _1t_128k("h200-512", 512, 16),
+    "ling2.5-1t 128k h100-1024": _1t_128k("h100-1024", 1024, 32),
 })
 # Expert-parallel exchange (issue 28): "auto" is the ragged all-to-all on TPU, its receive buffers bounded at
 # twice the balanced share (the default); these run the padded exchange and the unbounded ragged one beside it.
