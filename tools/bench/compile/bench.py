@@ -1,6 +1,7 @@
 """Compile-only plans of the full models (`model_name=ling2`, 17.4B parameters, `ling3`, and the 1T flagship
 `ling2.5-1t`) at seq 4096 and >= 1M tokens per step, and at long context, on v5p, v6e and H100 / H200 clusters
-(the real XLA:TPU compiler, and XLA:GPU with Triton), through `//ling2/train:compile` (the trainer's own step, on this CPU host).
+(the real XLA:TPU compiler, and XLA:GPU with Triton), through `//ling2/train:compile` (the trainer's own
+step, on this CPU host).
 Each plan runs in its own process, one after another; the table gives per chip what XLA plans, the
 host's peak RSS of that process (and once the step is lowered, before XLA compiles it), and the
 full-logits loss (loss_vocab_blocks=0) beside the vocab-blocked one as a ratio. A venv compiles for
