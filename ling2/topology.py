@@ -5,6 +5,7 @@ Names follow Cloud TPU / MaxText usage:
                 JAX sees one device per chip (megacore). 4, 8, 16, 32 chips, then any multiple
                 of 64 chips (whole 4x4x4 cubes, shaped as close to a cube as the count allows).
   v5e-N, v6e-N  N counts chips (one TensorCore each): 1, 4, 8, 16, 32, 64, 128, 256 (2D).
+  tpu7x-N       Ironwood, N chips (3D: 4, 8, 16, 32, then whole 4x4x4 cubes); JAX sees two devices per chip.
   h100-N, h200-N  N NVIDIA H100 / H200 SXM GPUs: 1, 2, 4, 8 on one host, or 8 per host (N a multiple of 8).
 `num_slices` > 1 asks for that many identical TPU slices joined over the data-center network
 (multi-slice; each device has a `slice_index`). `devices()` runs the real topology code of
@@ -33,6 +34,8 @@ class Chip:
     cores_per_chip: int  # TensorCores per chip (what a v4/v5p name counts)
     hbm_bandwidth: float = 0.0  # bytes/s per chip
     ici_bandwidth: float = 0.0  # bytes/s per chip, bidirectional, all links (0: not published)
+    devices_per_chip: int = 1  # JAX devices per chip (Ironwood: its two TensorCores are two devices; then the
+    #                            HBM, peak and bandwidths above are per device, half the chip's)
 
 
 # Cloud TPU system-architecture pages (docs.cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}: peak bf16, HBM
@@ -46,14 +49,18 @@ CHIPS = {
     "v6e": Chip("v6e", "tpu", "TPU v6 lite", 32 * GiB, 918e12, 1, 1638e9, 800e9),
     "h100": Chip("h100", "cuda", "NVIDIA H100 80GB HBM3", 84_942_979_072, 989e12, 1, 3.35e12, 900e9),
     "h200": Chip("h200", "cuda", "NVIDIA H200", 150_754_820_096, 989e12, 1, 4.8e12, 900e9),
+    # Ironwood: per chip 192 GB HBM3e at 7.37 TB/s, 4,614 TFLOP/s FP8 (bf16 taken as half), 1.2 TB/s ICI,
+    # shown to JAX as two devices
+    "tpu7x": Chip("tpu7x", "tpu", "TPU7x", 96 * GiB, 4614e12 / 4, 2, 7.37e12 / 2, 1.2e12 / 2, devices_per_chip=2),
 }
 CHIP_SOURCES = {"v4": "https://cloud.google.com/tpu/docs/v4", "v5e": "https://cloud.google.com/tpu/docs/v5e",
                 "v5p": "https://cloud.google.com/tpu/docs/v5p", "v6e": "https://cloud.google.com/tpu/docs/v6e",
                 "h100": "NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
-                "h200": "NVIDIA H200 Tensor Core GPU datasheet (SXM); memory as nvidia-smi reported a lent H200"}
+                "h200": "NVIDIA H200 Tensor Core GPU datasheet (SXM); memory as nvidia-smi reported a lent H200",
+                "tpu7x": "https://cloud.google.com/tpu/docs/tpu7x (per chip; here per device, half)"}
 _ALIASES = {"v5litepod": "v5e"}
 _CUBE_CHIPS = 64  # a 4x4x4 cube: v4 / v5p slices this size and up are whole cubes, wrapped
-_MAX_CHIPS = {"v4": 4096, "v5p": 8960}
+_MAX_CHIPS = {"v4": 4096, "v5p": 8960, "tpu7x": 9216}
 _CHIPS_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
 _SMALL_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4)}
 GPUS_PER_HOST = 8
@@ -101,8 +108,8 @@ class Topology:
 
     @property
     def num_devices(self) -> int:
-        """JAX devices in all slices (one per chip: v4 / v5p run as megacore)."""
-        return self.chips_per_slice * self.num_slices
+        """JAX devices in all slices (one per chip: v4 / v5p run as megacore; two per Ironwood chip)."""
+        return self.chips_per_slice * self.num_slices * self.chip.devices_per_chip
 
     @property
     def topology_name(self) -> str:
@@ -128,7 +135,8 @@ class Topology:
             os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{self.chip.generation}-8")
             os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
             os.environ.setdefault("TPU_WORKER_ID", "0")
-        kwargs = {"chip_config_name": "megacore"} if self.chip.cores_per_chip == 2 else {}
+        megacore = self.chip.cores_per_chip == 2 and self.chip.devices_per_chip == 1
+        kwargs = {"chip_config_name": "megacore"} if megacore else {}
         if self.chips_per_slice == 1:
             kwargs["chips_per_host_bounds"] = (1, 1, 1)
         try:
@@ -186,6 +194,8 @@ def _shape(generation: str, count: int):
         if count % GPUS_PER_HOST == 0:
             return (count // GPUS_PER_HOST, GPUS_PER_HOST), None
         return None
+    if chip.devices_per_chip == 2:  # named by chips, 3D
+        count *= 2
     if chip.cores_per_chip == 1:
         shape = _CHIPS_2D.get(count)
         return None if shape is None else (shape, tuple(d == 16 for d in shape) + (False,))
@@ -207,6 +217,9 @@ def known_names() -> list:
             out.append(f"{gen}-1/2/4/8 or {gen}-8k (8 per host)")
         elif chip.cores_per_chip == 1:
             out.append(", ".join(f"{gen}-{n}" for n in _CHIPS_2D))
+        elif chip.devices_per_chip == 2:
+            small = ", ".join(f"{gen}-{c}" for c in _SMALL_3D)
+            out.append(f"{small}, {gen}-{_CUBE_CHIPS}k (k cubes, up to {gen}-{_MAX_CHIPS[gen]})")
         else:
             small = ", ".join(f"{gen}-{2 * c}" for c in _SMALL_3D)
             out.append(f"{small}, {gen}-{2 * _CUBE_CHIPS}k (k cubes, up to {gen}-{2 * _MAX_CHIPS[gen]})")

@@ -67,7 +67,18 @@ def test_chip_table():
         "v6e": (32 * GiB, 918e12, "TPU v6 lite"),
         "h100": (84_942_979_072, 989e12, "NVIDIA H100 80GB HBM3"),
         "h200": (143_771 * 2**20, 989e12, "NVIDIA H200"),  # nvidia-smi on the H200 this project was lent
+        "tpu7x": (96 * GiB, 1153.5e12, "TPU7x"),  # Ironwood's 192 GB and 2,307 bf16 TFLOP/s over 2 devices
     }
+
+
+def test_ironwood_names_count_chips_and_give_two_devices_each():
+    assert topology.parse("tpu7x-4").topology_name == "tpu7x:2x2x1"
+    t = topology.parse("tpu7x-256")
+    assert (t.shape, t.chips_per_slice, t.num_devices, t.wrap) == ((4, 8, 8), 256, 512, (True, True, True))
+    assert topology.parse("tpu7x-64", num_slices=2).num_devices == 256
+    for bad in ("tpu7x-2", "tpu7x-100", "tpu7x-9280"):
+        with pytest.raises(ValueError, match="tpu7x-64k"):
+            topology.parse(bad)
 
 
 def test_gpu_names():

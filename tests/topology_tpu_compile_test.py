@@ -27,6 +27,18 @@ def test_devices_match_the_layout(name):
         assert {c[axis] for c in coords} == set(range(size))
 
 
+@pytest.mark.parametrize("name, hosts", [("tpu7x-4", 1), ("tpu7x-64", 16)])
+def test_ironwood_has_two_devices_per_chip(name, hosts):
+    """libtpu's Ironwood: each chip's two TensorCores are two JAX devices at the same chip coordinates."""
+    t = topology.parse(name)
+    devs = topology.devices(name)
+    assert len(devs) == t.num_devices == 2 * t.chips_per_slice
+    assert {d.device_kind for d in devs} == {"TPU7x"}
+    coords = [tuple(d.coords) for d in devs]
+    assert len(set(coords)) == t.chips_per_slice and all(coords.count(c) == 2 for c in set(coords))
+    assert len({d.process_index for d in devs}) == hosts
+
+
 def test_multi_slice_devices():
     devs = topology.devices("v6e-16", num_slices=3)
     assert len(devs) == 48

@@ -95,24 +95,25 @@ _1T = ["model_name=ling2.5-1t", "remat_policy=full", "mu_dtype=bfloat16", _EMBED
        "ici_expert_parallelism=8"]
 
 
-def _1t_4k(topology: str, chips: int) -> tuple:
-    """4K: fsdp over chips / 8, one sequence per chip per micro-batch, 1,024 sequences per step."""
-    return (topology, 1, [*_1T, f"ici_fsdp_parallelism={chips // 8}", "per_device_batch_size=1",
-                          f"gradient_accumulation_steps={1024 // chips}"])
+def _1t_4k(topology: str, devices: int) -> tuple:
+    """4K: fsdp over devices / 8, one sequence per device per micro-batch, 1,024 sequences per step."""
+    return (topology, 1, [*_1T, f"ici_fsdp_parallelism={devices // 8}", "per_device_batch_size=1",
+                          f"gradient_accumulation_steps={1024 // devices}"])
 
 
-def _1t_128k(topology: str, chips: int, context: int, *extra) -> tuple:
-    """128K: 32 sequences in one micro-batch, each over `context` chips; fsdp takes the rest."""
+def _1t_128k(topology: str, devices: int, context: int, *extra) -> tuple:
+    """128K: 32 sequences in one micro-batch, each over `context` devices; fsdp takes the rest."""
     return (topology, 1, [*_1T, _rules_with(embed=["fsdp", "expert", "context"]), "max_target_length=131072",
-                          f"ici_fsdp_parallelism={chips // 8 // context}", f"ici_context_parallelism={context}",
-                          f"per_device_batch_size={32 / chips}", "gradient_accumulation_steps=1", *extra])
+                          f"ici_fsdp_parallelism={devices // 8 // context}", f"ici_context_parallelism={context}",
+                          f"per_device_batch_size={32 / devices}", "gradient_accumulation_steps=1", *extra])
 
 
 PLANS.update({f"ling2.5-1t {t}": _1t_4k(t, n) for t, n in (
     ("v5p-512", 256), ("v5p-1024", 512), ("h100-256", 256), ("h100-512", 512), ("h100-1024", 1024),
-    ("h200-128", 128), ("h200-256", 256), ("h200-512", 512))})
+    ("h200-128", 128), ("h200-256", 256), ("h200-512", 512), ("tpu7x-256", 512))})
 PLANS.update({
     "ling2.5-1t 128k v5p-1024": _1t_128k("v5p-1024", 512, 16, "attention_kernel=flash"),
+    "ling2.5-1t 128k tpu7x-256": _1t_128k("tpu7x-256", 512, 16, "attention_kernel=flash"),
     "ling2.5-1t 128k h100-512": _1t_128k("h100-512", 512, 16),
     "ling2.5-1t 128k h200-512": _1t_128k("h200-512", 512, 16),
     "ling2.5-1t 128k h100-1024": _1t_128k("h100-1024", 1024, 32),
