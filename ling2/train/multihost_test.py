@@ -61,10 +61,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     assert max(e2e.losses(tmp_path)) == step  # neither process trained past the agreed step
 
 
-# ling2-micro at 128 tokens split over context 8 (GLA chunks of 16: one per shard), 2 rows per step, 8 steps (the
-# step count sizes the data index and the schedule: the same in every run)
-CONTEXT = ["max_target_length=128", "gla_chunk_size=16", "ici_context_parallelism=8", "ici_fsdp_parallelism=1",
-           "per_device_batch_size=0.25", "checkpoint_period=1", "max_checkpoints_to_keep=10", "steps=8"]
+CONTEXT = e2e.CONTEXT_8
 
 
 def test_context_group_across_two_processes_equals_one_process_through_a_kill(tmp_path):

@@ -20,9 +20,7 @@ from ling2.train.testing import e2e
 from tools.launch import slurm_localhost
 
 ROOT = Path(__file__).resolve().parents[2]
-# ling2-micro at 128 tokens split over context 8 (GLA chunks of 16: one per shard), 2 rows per step, 8 steps
-CONTEXT = ["max_target_length=128", "gla_chunk_size=16", "ici_context_parallelism=8", "ici_fsdp_parallelism=1",
-           "per_device_batch_size=0.25", "checkpoint_period=1", "max_checkpoints_to_keep=10", "steps=8"]
+CONTEXT = e2e.CONTEXT_8
 
 
 @pytest.fixture(scope="module")

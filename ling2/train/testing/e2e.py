@@ -11,6 +11,10 @@ from ling2.train.metrics import read_metrics
 
 MICRO = ["model_name=ling2-micro", "max_target_length=32", "per_device_batch_size=2", "eval_interval=0",
          "eval_steps=0", "data_split=98,2,0", "log_period=1", "warmup_steps_fraction=0"]
+# One sequence over a context axis of 8 spanning processes: ling2-micro at 128 tokens (GLA chunks of 16, one per
+# shard), 2 rows per step, 8 steps (the step count sizes the data index and the schedule: the same in every run)
+CONTEXT_8 = ["max_target_length=128", "gla_chunk_size=16", "ici_context_parallelism=8", "ici_fsdp_parallelism=1",
+             "per_device_batch_size=0.25", "checkpoint_period=1", "max_checkpoints_to_keep=10", "steps=8"]
 
 
 def binary():
