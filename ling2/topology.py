@@ -36,19 +36,22 @@ class Chip:
     ici_bandwidth: float = 0.0  # bytes/s per chip, bidirectional, all links (0: not published)
     devices_per_chip: int = 1  # JAX devices per chip (Ironwood: its two TensorCores are two devices; then the
     #                            HBM, peak and bandwidths above are per device, half the chip's)
+    network_bandwidth: float = 0.0  # bytes/s per device, one way, between hosts (0: ICI spans the whole slice)
 
 
 # Cloud TPU system-architecture pages (docs.cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}: peak bf16, HBM
 # capacity and bandwidth, bidirectional ICI bandwidth per chip; the v4 page gives no per-chip ICI figure);
 # NVIDIA H100 SXM5 datasheet (989 TFLOP/s dense bf16, 3.35 TB/s HBM3, 900 GB/s NVLink) with the device
-# memory XLA's H100 target spec reports.
+# memory XLA's H100 target spec reports. Between GPU hosts (GPUS_PER_HOST each): one 400 Gb/s InfiniBand
+# NIC per GPU (ConnectX-7, as in DGX H100 / H200), 50 GB/s each way.
 CHIPS = {
     "v4": Chip("v4", "tpu", "TPU v4", 32 * GiB, 275e12, 2, 1200e9, 0.0),
     "v5e": Chip("v5e", "tpu", "TPU v5 lite", 16 * GiB, 197e12, 1, 819e9, 400e9),
     "v5p": Chip("v5p", "tpu", "TPU v5", 95 * GiB, 459e12, 2, 2765e9, 1200e9),
     "v6e": Chip("v6e", "tpu", "TPU v6 lite", 32 * GiB, 918e12, 1, 1638e9, 800e9),
-    "h100": Chip("h100", "cuda", "NVIDIA H100 80GB HBM3", 84_942_979_072, 989e12, 1, 3.35e12, 900e9),
-    "h200": Chip("h200", "cuda", "NVIDIA H200", 150_754_820_096, 989e12, 1, 4.8e12, 900e9),
+    "h100": Chip("h100", "cuda", "NVIDIA H100 80GB HBM3", 84_942_979_072, 989e12, 1, 3.35e12, 900e9,
+                 network_bandwidth=50e9),
+    "h200": Chip("h200", "cuda", "NVIDIA H200", 150_754_820_096, 989e12, 1, 4.8e12, 900e9, network_bandwidth=50e9),
     # Ironwood: per chip 192 GB HBM3e at 7.37 TB/s, 4,614 TFLOP/s FP8 (bf16 taken as half), 1.2 TB/s ICI,
     # shown to JAX as two devices
     "tpu7x": Chip("tpu7x", "tpu", "TPU7x", 96 * GiB, 4614e12 / 4, 2, 7.37e12 / 2, 1.2e12 / 2, devices_per_chip=2),

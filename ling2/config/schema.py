@@ -14,7 +14,7 @@ from ling2.config import enums as T
 from ling2.config.kinds import FULL, KINDS, free_on_resume
 
 
-MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
 
 
 # Keys Ling2 no longer reads, each with what to do instead: a config naming one is refused with this line.
@@ -247,6 +247,12 @@ class Training(_Group):
 
 
 class Mesh(_Group):
+    ici_stage_parallelism: int = _f(
+        "Size of the stage axis (pipeline parallelism): the scanned layer groups split into this many consecutive "
+        "stages, one per shard (the 'layers' rule); outside them the axis splits the batch. -1 fills.")
+    pipeline_microbatches: PositiveInt = _f(
+        "With stages > 1: pipeline micro-batches each micro-batch's rows split into (GPipe schedule; the bubble is "
+        "(stages - 1) / (pipeline_microbatches + stages - 1) of the pipelined layers' time).")
     ici_data_parallelism: int = _f("Size of the mesh's data axis (pure data parallelism); -1 fills the remaining devices.")
     ici_fsdp_parallelism: int = _f("Size of the fsdp axis (parameters sharded, batch split); -1 fills.")
     ici_expert_parallelism: int = _f("Size of the expert axis (experts sharded, batch split); -1 fills.")
@@ -257,6 +263,7 @@ class Mesh(_Group):
     dcn_data_parallelism: int = _f(
         "Multi-slice: slices along the data axis (over the data-center network); the mesh's data axis is "
         "dcn x ici, slices outermost. The dcn_* sizes multiply to the number of slices; -1 fills.")
+    dcn_stage_parallelism: int = _f("Multi-slice: slices along the stage axis (see dcn_data_parallelism); -1 fills.")
     dcn_fsdp_parallelism: int = _f("Multi-slice: slices along the fsdp axis (see dcn_data_parallelism); -1 fills.")
     dcn_expert_parallelism: int = _f("Multi-slice: slices along the expert axis (see dcn_data_parallelism); -1 fills.")
     dcn_context_parallelism: int = _f("Multi-slice: slices along the context axis (see dcn_data_parallelism); -1 fills.")

@@ -57,6 +57,7 @@ class RunSpec:
     scan_layers: bool
     loss_vocab_blocks: int
     logical_axis_rules: tuple
+    pipeline_microbatches: int
     mesh_shape: tuple = ()
 
     @classmethod

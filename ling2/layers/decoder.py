@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling2.layers.attention import decode as decode_lib
-from ling2.layers import losses, norms
+from ling2.layers import losses, norms, pipeline
 from ling2.layers.attention.registry import ATTENTION
 from ling2.layers.embed import Embed, LMHead
 from ling2.layers.moe.layer import MoE
@@ -204,7 +204,11 @@ class Ling2Decoder(LayerStack):
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
-        run = lambda layer, i, x: self._run(layer, i, x, positions_BT, segment_ids_BT, valid_BT)  # noqa: E731
-        x, aux = self.fold(run, self.embed(ids_BT))
+        run = lambda layer, i, x, extras: self._run(layer, i, x, *extras)  # noqa: E731
+        x, aux = self.fold(run, self.embed(ids_BT), (positions_BT, segment_ids_BT, valid_BT), self.run)
+        if pipeline.stages(self.run) > 1:  # the scanned layers' MoE losses, summed over micro-batches: their mean
+            P = self.run.pipeline_microbatches
+            aux = {i: a if a is None or not self.scanned(i) else
+                   a.replace(lb_loss=a.lb_loss / P, z_loss=a.z_loss / P) for i, a in aux.items()}
         return self._head(x, aux, return_logits)
 

@@ -131,7 +131,7 @@ def test_one_call_path_gives_every_layer_its_index(both):
     for scan, model in models.items():
         kinds = []
 
-        def f(layer, i, x):
+        def f(layer, i, x, extras):
             kinds.append(layer.attn_type)
             return x + 1, jnp.asarray(i)
 

@@ -156,17 +156,19 @@ def count_params(spec: ModelSpec) -> dict:
     return out
 
 
+def layer_flops_per_token(spec: ModelSpec, layer, seq_len: int) -> float:
+    """Training FLOPs of one token through `layer` (a LayerSpec of spec.plan) at `seq_len`: 3 x (2 x its active
+    matmul weights + its attention kind's token mixing, `mixing_flops` beside its module)."""
+    attn, attn_spec = ATTENTION[layer.attn], spec.layers.attention_spec(layer.attn)
+    E = spec.emb_dim
+    weights = attn.matmul_params(attn_spec)
+    weights += 3 * E * spec.layers.mlp_dim if layer.mlp == "dense" else moe.matmul_params(spec.layers.moe)
+    return 3.0 * (2 * weights + attn.mixing_flops(attn_spec, seq_len))
+
+
 def training_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
-    """Model FLOPs of one training token (forward + backward = 3 x forward) at `seq_len`: 2 x the active
-    matmul weights of every layer, MTP's eh_proj and each lm_head, plus each attention kind's token mixing
-    (`mixing_flops` beside its module). The embedding lookup and norms are not counted."""
+    """Model FLOPs of one training token (forward + backward = 3 x forward) at `seq_len`: every layer's
+    (`layer_flops_per_token`), MTP's eh_proj and each lm_head. The embedding lookup and norms are not counted."""
     E, mtp = spec.emb_dim, len(spec.plan.mtp)
-    weights = heads = mixing = 0.0
-    for layer in spec.plan.all():
-        attn, attn_spec = ATTENTION[layer.attn], spec.layers.attention_spec(layer.attn)
-        weights += attn.matmul_params(attn_spec)
-        weights += 3 * E * spec.layers.mlp_dim if layer.mlp == "dense" else moe.matmul_params(spec.layers.moe)
-        mixing += attn.mixing_flops(attn_spec, seq_len)
-    weights += mtp * 2 * E * E
-    heads = (1 + mtp) * E * spec.vocab_size
-    return 3.0 * (2 * (weights + heads) + mixing)
+    layers = sum(layer_flops_per_token(spec, layer, seq_len) for layer in spec.plan.all())
+    return layers + 3.0 * 2 * (mtp * 2 * E * E + (1 + mtp) * E * spec.vocab_size)

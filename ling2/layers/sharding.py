@@ -5,7 +5,9 @@ Parameters carry logical names in their `out_sharding` metadata (e.g. ("embed", 
 its spec's `run` (`ling2.config.specs.RunSpec`): the mesh's axis sizes and the rules, handed down
 from the model's construction. With no mesh there (one device) constraints are no-ops, so layers
 run unchanged. A mesh axis is used at most once per array and only on a dim it divides; otherwise
-that dim is replicated (a layout choice, never a change in the numbers). The devices are the
+that dim is replicated (a layout choice, never a change in the numbers). Inside a `shard_map` manual over
+some axes (the pipeline's "stage"), those axes count as size 1: each shard's code splits only over the
+rest. The devices are the
 ambient `jax.set_mesh`'s, which must be the mesh the run was built for. Building meshes and parameter
 shardings is the trainer runtime's (`ling2.train.runtime`).
 """
@@ -44,9 +46,21 @@ def _spec(names, shape, rules, sizes: dict) -> PartitionSpec:
     return PartitionSpec(*out)
 
 
+def _manual_axes() -> frozenset:
+    """The mesh axes the code being traced is manual over (inside `shard_map`); empty outside."""
+    m = jax.sharding.get_abstract_mesh()
+    return frozenset() if m.empty else frozenset(m.manual_axes)
+
+
+def _sizes(run) -> dict:
+    """{mesh axis: size} of `run`'s mesh, the axes the traced code is manual over counted as 1."""
+    manual = _manual_axes()
+    return {a: 1 if a in manual else n for a, n in run.mesh_shape}
+
+
 def _split(run, name: str, size: int) -> tuple:
     """(mesh sizes, mesh axes a dim of logical `name` and `size` splits over) under `run`."""
-    sizes = dict(run.mesh_shape)
+    sizes = _sizes(run)
     if not sizes:
         return sizes, ()
     axes = _spec((name,), (size,), rules_dict(run.logical_axis_rules), sizes)[0]
@@ -91,11 +105,15 @@ def shard_map_by_names(f, in_names, out_names, rules, *, mesh=None):
         if m.empty or m.size == 1:
             return f(*args)
         r = rules if isinstance(rules, dict) else rules_dict(rules)
+        manual = frozenset(getattr(m, "manual_axes", ()))
+        sizes = {a: 1 if a in manual else n for a, n in dict(m.shape).items()}
         axes = {}
         for names, x in zip(in_names, args):
             if isinstance(names, PartitionSpec) or not isinstance(names, tuple):
                 continue
-            for name, ax in zip(names, logical_to_spec(names, x.shape, r, m)):
+            if len(names) != len(x.shape):
+                raise ValueError(f"logical names {names} do not match shape {x.shape}")
+            for name, ax in zip(names, _spec(names, x.shape, r, sizes)):
                 if name is not None and axes.setdefault(name, ax) != ax:
                     raise ValueError(f"shard_map_by_names: logical axis {name!r} splits as {axes[name]} on one "
                                      f"argument and {ax} on another (dims of different sizes)")
@@ -137,5 +155,4 @@ def constrain(x, names, run):
     if not run.mesh_shape:
         return x
     mesh_of(run)
-    return jax.lax.with_sharding_constraint(x, _spec(names, x.shape, rules_dict(run.logical_axis_rules),
-                                                     dict(run.mesh_shape)))
+    return jax.lax.with_sharding_constraint(x, _spec(names, x.shape, rules_dict(run.logical_axis_rules), _sizes(run)))

@@ -2,9 +2,11 @@
 
 A `LayerStack` holds the layers of a layer plan (`ling2.layers.plan`) in the state layout the plan
 names, and offers two views of them whatever the layout:
-  fold(f, x)   the forward: x, aux = f(layer, layer_index, x) for every layer in index order;
-               unrolled layers are called one by one, a scanned group's under one `lax.scan`
-               with `layer_index` traced;
+  fold(f, x, extras, run)
+               the forward: x, aux = f(layer, layer_index, x, extras) for every layer in index
+               order; unrolled layers are called one by one, the scanned groups under one
+               `lax.scan` with `layer_index` traced, or, on a mesh with a "stage" axis, pipelined
+               (`ling2.layers.pipeline`: `extras`, per-row arrays, split with x into micro-batches);
   unstacked()  [(layer_index, layer)], every layer as its own module (scanned ones sliced out
                of the stack), for cached decoding and tests.
 A layer whose constants depend on its place (GLA's decays) reads them from `layer_index`, so
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ling2.layers import pipeline
 from ling2.layers.plan import LayerPlan
 
 
@@ -61,15 +64,16 @@ class LayerStack(nnx.Module):
         p, n, k = len(self.prefix), self.num_groups, self.group_size
         return [(0, list(self.prefix))], [(p + n * k, list(self.suffix))]
 
-    def fold(self, f, x):
-        """(x, {layer index: aux}) after x, aux = f(layer, layer_index, x) over every layer in order."""
+    def fold(self, f, x, extras=(), run=None):
+        """(x, {layer index: aux}) after x, aux = f(layer, layer_index, x, extras) over every layer in order.
+        With `run` (a RunSpec) on a mesh of several stages the scanned groups run pipelined."""
         aux = {}
         before, after = self._runs()
 
         def unrolled(runs, x):
             for start, layers in runs:
                 for j, layer in enumerate(layers):
-                    x, aux[start + j] = f(layer, start + j, x)
+                    x, aux[start + j] = f(layer, start + j, x, extras)
             return x
 
         x = unrolled(before, x)
@@ -77,19 +81,29 @@ class LayerStack(nnx.Module):
             p, n, k = len(self.prefix), self.num_groups, self.group_size
             gdef, stacked = nnx.split(self.groups)
 
-            def body(x, xs):
-                state, g = xs
+            def group(state, g, x, ex):
                 group_aux = []
                 for j, layer in enumerate(nnx.merge(gdef, state).layers):
-                    x, a = f(layer, p + g * k + j, x)
+                    x, a = f(layer, p + g * k + j, x, ex)
                     group_aux.append(a)
                 return x, group_aux
 
-            x, group_aux = jax.lax.scan(body, x, (stacked, jnp.arange(n, dtype=jnp.int32)))
+            if run is not None and pipeline.stages(run) > 1:
+                x, group_aux = pipeline.pipeline(group, stacked, x, extras, run=run)
+            else:
+                x, group_aux = jax.lax.scan(lambda x, xs: group(*xs, x, extras), x,
+                                            (stacked, jnp.arange(n, dtype=jnp.int32)))
             for j, a in enumerate(group_aux):
                 for g in range(n):
                     aux[p + g * k + j] = None if a is None else jax.tree.map(lambda v: v[g], a)
         return unrolled(after, x), aux
+
+    def scanned(self, layer_index: int) -> bool:
+        """Whether layer `layer_index` is in the scanned groups."""
+        if not (self.scan and self.num_groups):
+            return False
+        p = len(self.prefix)
+        return p <= layer_index < p + self.num_groups * self.group_size
 
     def unstacked(self) -> list:
         """[(global index, layer)] in order; scanned layers are sliced out of the stack."""

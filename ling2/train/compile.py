@@ -12,7 +12,10 @@ of donated arguments and of dead buffers for temporaries; this peak is what its 
 check uses), or the sum where XLA reports no peak; compile
 time; FLOPs per step from XLA's cost analysis (which counts a loop body once: shown also times
 the micro-batches) next to Ling2's own count; the step time Ling2's FLOPs (x 4/3 under full
-remat, which runs each forward twice) take at the chip's peak, and the MFU bound that gives. The last line is
+remat, which runs each forward twice, plus a pipeline's bubble) take at the chip's peak, and the MFU bound
+that gives; then the roofline: collective and HBM bytes read from the compiled HLO against the chip's
+bandwidths (on GPU clusters, collectives whose groups span hosts at the NIC's speed), and the MFU bound at the
+slowest term. The last line is
 `<topology>: <X> GiB of <Y> GiB per chip (fits)` or `(does not fit, short by Z GiB)`; exit 0 / 1.
 Bad input (unknown topology, a mesh or batch that does not divide the topology, bad config
 keys) exits 2 with the error named.
@@ -82,7 +85,7 @@ def check_plan(cfg, topo, mesh) -> None:
 
 def plan(cfg, topo, log=print) -> dict:
     """Compiles the train step of `cfg` for `topo` and returns the plan (bytes per chip, FLOPs, times)."""
-    from ling2.layers.model import count_params, training_flops_per_token
+    from ling2.layers.model import count_params, layer_flops_per_token, training_flops_per_token
     from ling2.layers.spec import ModelSpec
     from ling2.train.loop import abstract_batch, compile_train_step, host_peak_rss_bytes
     from ling2.train.runtime import make_mesh
@@ -151,29 +154,47 @@ def plan(cfg, topo, log=print) -> dict:
     recompute = 4 / 3 if cfg.remat_policy == "full" else 1.0
     out["step_flops_basis"] = f"ling2 x {recompute:.3g} (remat {cfg.remat_policy})"
     executed = out["ling2_flops_per_chip"] * recompute
+    stages = dict(mesh.shape).get("stage", 1)
+    if stages > 1:  # every stage computes at every step of the schedule: the bubble's steps too
+        spec = ModelSpec.of(cfg)
+        piped = sum(layer_flops_per_token(spec, layer, cfg.max_target_length) for layer in spec.plan.layers
+                    if layer.stack) * tokens / chips
+        P = cfg.pipeline_microbatches
+        out["pipeline_bubble"] = (stages - 1) / (P + stages - 1)
+        out["pipelined_flops_per_chip"] = piped
+        executed += piped * (stages - 1) / P * recompute
+        out["step_flops_basis"] += f", + the pipeline bubble ({stages} stages, {P} micro-batches)"
     peak = topo.chip.peak_bf16_flops
     out["step_s_at_peak"] = executed / peak
     out["mfu_at_peak"] = out["ling2_flops_per_chip"] / executed
     out.update(roofline(compiled.as_text(), dict(mesh.shape), topo.chip, out["step_s_at_peak"], cfg))
+    out["mfu_roofline"] = out["ling2_flops_per_chip"] / peak / out["roofline_step_s"]
     return out
 
 
 def roofline(hlo_text: str, mesh_shape: dict, chip, compute_s: float, cfg) -> dict:
     """Bytes the compiled step moves per chip (`hlo_traffic`: collectives by kind and mesh axis, HBM) and the
     step-time bound max(compute, HBM bytes / HBM bandwidth, ICI bytes / ICI bandwidth) from the chip's
-    published numbers (`ling2.topology.CHIPS`; an ICI figure of 0 is unpublished and leaves that term out)."""
-    from ling2.topology import CHIP_SOURCES
+    published numbers (`ling2.topology.CHIPS`; an ICI figure of 0 is unpublished and leaves that term out).
+    On GPU clusters a collective whose group spans hosts is charged to the network term (bytes / the NIC's
+    bandwidth) instead of ICI (NVLink)."""
+    from ling2.topology import CHIP_SOURCES, GPUS_PER_HOST
     from ling2.train import hlo_traffic
 
-    t = hlo_traffic.traffic(hlo_text, mesh_shape)
+    network = chip.network_bandwidth
+    t = hlo_traffic.traffic(hlo_text, mesh_shape, GPUS_PER_HOST if network else 0)
     wire = sum(v["wire_bytes"] for v in t["collectives"].values())
+    across = sum(v["network_wire_bytes"] for v in t["collectives"].values())
     out = {"collectives": [{"kind": k, "axes": list(a), **v} for (k, a), v in
                            sorted(t["collectives"].items(), key=lambda kv: -kv[1]["wire_bytes"])],
            "collective_wire_bytes": wire, "hbm_traffic_bytes": t["hbm_bytes"], "hlo_unknown_loops": t["unknown_loops"],
            "chip_hbm_bandwidth": chip.hbm_bandwidth, "chip_ici_bandwidth": chip.ici_bandwidth,
            "chip_source": CHIP_SOURCES.get(chip.generation, "")}
     terms = {"compute": compute_s, "hbm": t["hbm_bytes"] / chip.hbm_bandwidth if chip.hbm_bandwidth else 0.0,
-             "ici": wire / chip.ici_bandwidth if chip.ici_bandwidth else 0.0}
+             "ici": (wire - across) / chip.ici_bandwidth if chip.ici_bandwidth else 0.0}
+    if network:
+        out.update(collective_network_wire_bytes=across, chip_network_bandwidth=network)
+        terms["network"] = across / network
     out["roofline_s"] = terms
     out["roofline_step_s"] = max(terms.values())
     out["roofline_bound"] = max(terms, key=terms.get)
@@ -226,10 +247,16 @@ def table(p: dict) -> str:
                      ("collective bytes per chip (wire)", g(p["collective_wire_bytes"]))]
             rows += [(f"  {c['kind']} over {'x'.join(c['axes']) or 'none'}", g(c["wire_bytes"])
                       + f"  ({c['count']:.0f} calls)") for c in p["collectives"][:8]]
-            rows += [("roofline step: compute / HBM / ICI", f"{r['compute']:9.4g} / {r['hbm']:.4g} / {r['ici']:.4g} s"),
+            rows += [("roofline step: compute / HBM / ICI", f"{r['compute']:9.4g} / {r['hbm']:.4g} / {r['ici']:.4g} s")]
+            if "network" in r:
+                rows += [("  network (collectives across hosts)", f"{r['network']:9.4g} s  "
+                          f"({p['collective_network_wire_bytes'] / GiB:.2f} GiB at "
+                          f"{p['chip_network_bandwidth'] / 1e9:.0f} GB/s per GPU)")]
+            rows += [
                      ("roofline step estimate", f"{p['roofline_step_s']:9.4g} s  ({p['roofline_bound']}-bound; "
                       f"{p['chip_hbm_bandwidth'] / 1e9:.0f} GB/s HBM, {p['chip_ici_bandwidth'] / 1e9:.0f} GB/s ICI: "
-                      f"{p['chip_source']})")]
+                      f"{p['chip_source']})"),
+                     ("MFU bound at the roofline step", f"{100 * p['mfu_roofline']:9.1f} %")]
             if "full_attention_context_imbalance" in p:
                 rows += [("full attention: causal work, max / mean shard",
                           f"{p['full_attention_context_imbalance']:9.3f}  "

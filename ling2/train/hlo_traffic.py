@@ -116,11 +116,35 @@ def _iota_groups(spec: str) -> list[list[int]]:
     return [ids[i:i + size] for i in range(0, len(ids), size)]
 
 
+def _mesh_groups(sizes: str, iota: str | None, perm: str | None, axes: str) -> list[list[int]]:
+    """Groups of XLA's mesh form `mesh['a0'=n0,'a1'=n1,..], device_ids=([d0,..]T(perm)) {'a1',..}`: the devices
+    (listed in mesh order by the iota, default 0..N-1) laid out on the named axes, one group per combination of
+    the axes not in braces."""
+    import numpy as np
+
+    names = re.findall(r"'([^']+)'=", sizes)
+    shape = [int(x) for x in re.findall(r"=(\d+)", sizes)]
+    ids = np.arange(math.prod(shape))
+    if iota:
+        ids = ids.reshape([int(x) for x in iota.split(",")])
+        if perm:
+            ids = ids.transpose([int(x) for x in perm.split(",")])
+    ids = ids.reshape(shape)
+    inner = [names.index(a) for a in re.findall(r"'([^']+)'", axes)]
+    outer = [i for i in range(len(shape)) if i not in inner]
+    size = math.prod(shape[i] for i in inner)
+    return [[int(x) for x in g] for g in ids.transpose(outer + inner).reshape(-1, size)]
+
+
 def groups(rest: str, num_devices: int) -> list[list[int]]:
     """Replica groups (or permute pairs) of a collective's attributes."""
     m = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)
     if m:
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", m.group(1) + "}")]
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*"
+                  r"\{([^}]*)\}", rest)
+    if m:
+        return _mesh_groups(*m.groups())
     m = re.search(r"replica_groups=(\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", rest)
     if m:
         return _iota_groups(m.group(1))
@@ -194,13 +218,15 @@ def _fusion_bytes(body: list, operands: list, out: float) -> tuple[list, float]:
     return operands, out
 
 
-def traffic(text: str, mesh_shape: dict) -> dict:
-    """{"collectives": {(kind, axes): {"count", "buffer_bytes", "wire_bytes"}}, "hbm_bytes", "hbm_read_bytes",
-    "unknown_loops"} per chip per execution of the program in `text` (hbm_bytes: reads and writes; hbm_read_bytes:
-    the reads alone); `mesh_shape` {axis: size} in mesh order."""
+def traffic(text: str, mesh_shape: dict, host_devices: int = 0) -> dict:
+    """{"collectives": {(kind, axes): {"count", "buffer_bytes", "wire_bytes", "network_wire_bytes"}}, "hbm_bytes",
+    "hbm_read_bytes", "unknown_loops"} per chip per execution of the program in `text` (hbm_bytes: reads and
+    writes; hbm_read_bytes: the reads alone); `mesh_shape` {axis: size} in mesh order. With `host_devices` (GPUs:
+    consecutive partition ids share a host in groups of that size) a collective whose group spans hosts counts
+    its wire bytes in network_wire_bytes as well: its ring runs at the speed of its host-to-host links."""
     comps, entry = parse_computations(text)
     n_dev = math.prod(mesh_shape.values())
-    coll = defaultdict(lambda: {"count": 0.0, "buffer_bytes": 0.0, "wire_bytes": 0.0})
+    coll = defaultdict(lambda: {"count": 0.0, "buffer_bytes": 0.0, "wire_bytes": 0.0, "network_wire_bytes": 0.0})
     totals = {"hbm_bytes": 0.0, "hbm_read_bytes": 0.0, "unknown_loops": 0}
 
     def walk(name: str, times: float, fused: bool):
@@ -242,7 +268,10 @@ def traffic(text: str, mesh_shape: dict) -> dict:
                 rec = coll[(base, axes)]
                 rec["count"] += times
                 rec["buffer_bytes"] += times * buf
-                rec["wire_bytes"] += times * wire_bytes(base, buf, size)
+                wire = times * wire_bytes(base, buf, size)
+                rec["wire_bytes"] += wire
+                if host_devices and g and g[0] and len({d // host_devices for d in g[0]}) > 1:
+                    rec["network_wire_bytes"] += wire
             if fused or i.op in _NO_TRAFFIC or i.op.endswith("-done") or i.op.endswith("-update"):
                 continue
             operands = [shape_bytes(shapes.get(o, "")) for o in _operands(i)]

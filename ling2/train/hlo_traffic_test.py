@@ -41,6 +41,36 @@ def test_collectives_by_kind_axis_and_trip_count():
     assert H.by_axis(c)["all-gather over context"] == ag["wire_bytes"]
 
 
+def test_collectives_spanning_hosts_count_as_network_bytes():
+    """With 4 devices per host (partition ids 0-3 and 4-7), the mesh fsdp 2 x context 4 keeps each context group on
+    one host and puts each fsdp pair on two: only the fsdp all-reduce crosses the network. With 2 per host, the
+    context groups span two hosts as well."""
+    mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("fsdp", "context"), axis_types=(AxisType.Explicit,) * 2)
+
+    def body(x):
+        return jax.lax.psum(jax.lax.all_gather(x, "context", tiled=True), "fsdp")
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("fsdp", "context"), out_specs=P(), check_vma=False)
+    text = compiled_text(f, jax.device_put(jnp.ones((6, 64), jnp.float32), NamedSharding(mesh, P("fsdp", "context"))))
+    four, two, none = (H.traffic(text, MESH, host_devices=n)["collectives"] for n in (4, 2, 0))
+    ag, ar = ("all-gather", ("context",)), ("all-reduce", ("fsdp",))
+    assert four[ar]["network_wire_bytes"] == four[ar]["wire_bytes"] > 0 and four[ag]["network_wire_bytes"] == 0
+    assert two[ag]["network_wire_bytes"] == two[ag]["wire_bytes"] > 0
+    assert none[ar]["network_wire_bytes"] == none[ag]["network_wire_bytes"] == 0
+
+
+def test_mesh_form_replica_groups():
+    """XLA's mesh form of replica groups (what partially manual shard_maps lower to), against groups written out by
+    hand: 24 devices listed as iota [3,2,4] transposed (1,0,2), laid out as mesh (a0 2, a1 1, a2 12), grouped
+    along a0; and, without device ids, one group of all devices."""
+    rest = "replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=12], device_ids=([3,2,4]T(1,0,2)) {'axis_0'}, x=1"
+    # iota [3,2,4]T(1,0,2) lists devices (j, i, k) -> 8i + 4j + k for j < 2, i < 3, k < 4: 0-3, 8-11, 16-19, 4-7, ..
+    listed = [8 * i + 4 * j + k for j in range(2) for i in range(3) for k in range(4)]
+    assert H.groups(rest, 24) == [[listed[c], listed[12 + c]] for c in range(12)]
+    assert H.groups(rest, 24)[0] == [0, 4]
+    assert H.groups("replica_groups=mesh['axis_0'=6,'axis_1'=1] {'axis_0'}, y", 6) == [list(range(6))]
+
+
 def test_hbm_bytes_count_loop_bodies_times_their_trips():
     """A loop of N adds of a [256, 256] f32 buffer: about N x 3 x 256 KiB (two reads, one write) or more."""
     x = jnp.ones((256, 256), jnp.float32)

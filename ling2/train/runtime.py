@@ -1,6 +1,6 @@
 """Where a run executes: the device mesh, parameter shardings, global batches and device peak FLOP/s.
 
-The mesh is (data, fsdp, expert, context, tensor) from cfg.ici_*_parallelism (one -1 fills the
+The mesh is (stage, data, fsdp, expert, context, tensor) from cfg.ici_*_parallelism (one -1 fills the
 devices of a slice) times cfg.dcn_*_parallelism across slices (multi-slice; slices outermost).
 Parameters carry logical axis names (`out_sharding` metadata); the config's
 `logical_axis_rules` map them to mesh axes (`ling2.layers.sharding.logical_to_spec`).
@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ling2.config import ConfigError
 from ling2.config.schema import MESH_AXES
 from ling2.layers import sharding
+from ling2.layers.spec import ModelSpec
 
 # Peak dense bf16 FLOP/s per device, by a substring of jax's device_kind (lower case).
 PEAK_FLOPS = {"h100": 989e12, "h200": 989e12, "a100": 312e12, "b200": 2250e12, "v5 lite": 197e12, "v5e": 197e12,
@@ -50,7 +51,7 @@ def mesh_shapes(cfg, num_devices: int, num_slices: int = 1) -> tuple[tuple[int, 
 
 
 def mesh_shape(cfg, num_devices: int, num_slices: int = 1) -> tuple[int, ...]:
-    """The (data, fsdp, expert, context, tensor) sizes: dcn x ici per axis (one -1 fills within each)."""
+    """The (stage, data, fsdp, expert, context, tensor) sizes: dcn x ici per axis (one -1 fills within each)."""
     ici, dcn = mesh_shapes(cfg, num_devices, num_slices)
     return tuple(i * d for i, d in zip(ici, dcn))
 
@@ -68,8 +69,22 @@ def hybrid_device_array(slices: list, ici: tuple, dcn: tuple) -> np.ndarray:
     return arr.reshape([d * i for d, i in zip(dcn, ici)])
 
 
+def pipeline_problem(cfg, stages: int, rows: int) -> None:
+    """ConfigError naming the field when `stages` pipeline stages cannot run cfg's model on micro-batches of
+    `rows` rows (`ling2.layers.pipeline`)."""
+    if not cfg.scan_layers:
+        raise ConfigError(f"scan_layers: pipeline stages ({stages}) split the scanned layer groups; set scan_layers=true")
+    groups = ModelSpec.of(cfg).plan.num_groups
+    if groups % stages:
+        raise ConfigError(f"ici_stage_parallelism: {stages} stages do not divide the model's {groups} scanned layer "
+                          f"groups")
+    if rows % cfg.pipeline_microbatches:
+        raise ConfigError(f"pipeline_microbatches: {cfg.pipeline_microbatches} does not divide the {rows} rows of a "
+                          "micro-batch")
+
+
 def make_mesh(cfg, devices=None) -> Mesh:
-    """A (data, fsdp, expert, context, tensor) mesh over `devices` (default: all). Over several slices (devices'
+    """A (stage, data, fsdp, expert, context, tensor) mesh over `devices` (default: all). Over several slices (devices'
     slice_index) each axis is dcn x ici, slices outermost: cfg.dcn_*_parallelism slices along it."""
     devices = jax.devices() if devices is None else list(devices)
     by_slice: dict = {}
@@ -80,6 +95,9 @@ def make_mesh(cfg, devices=None) -> Mesh:
     problem = cfg.context_problem(ici[context] * dcn[context])
     if problem:
         raise ConfigError(f"ici_context_parallelism: {problem}")
+    stages = ici[MESH_AXES.index("stage")] * dcn[MESH_AXES.index("stage")]
+    if stages > 1:
+        pipeline_problem(cfg, stages, int(cfg.per_device_batch_size * len(devices)))
     expert = ici[MESH_AXES.index("expert")] * dcn[MESH_AXES.index("expert")]
     if cfg.moe_ep_all_to_all == "ragged" and expert > 1 and devices[0].platform == "cpu":
         raise ConfigError("moe_ep_all_to_all: 'ragged' cannot run on CPU devices (XLA:CPU has no ragged "

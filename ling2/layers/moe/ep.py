@@ -38,12 +38,14 @@ def expert_axis_size(mesh) -> int:
 
 
 def batch_axes(mesh, rules, batch: int) -> tuple[str, ...]:
-    """Mesh axes of the `activation_batch` rule that shard `batch` (each must divide what is left)."""
+    """Mesh axes of the `activation_batch` rule that shard `batch` (each must divide what is left); axes the
+    traced code is manual over (a pipeline's "stage") do not split it further."""
     axes, prod = [], 1
+    manual = frozenset(getattr(mesh, "manual_axes", ()))
     for name, mesh_axes in rules:
         if name == "activation_batch":
             for a in mesh_axes or ():
-                size = mesh.shape.get(a, 1)
+                size = 1 if a in manual else mesh.shape.get(a, 1)
                 if size > 1 and batch % (prod * size) == 0:
                     axes.append(a)
                     prod *= size

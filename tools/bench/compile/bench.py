@@ -118,6 +118,20 @@ PLANS.update({
     "ling2.5-1t 128k h200-512": _1t_128k("h200-512", 512, 16),
     "ling2.5-1t 128k h100-1024": _1t_128k("h100-1024", 1024, 32),
 })
+# The flagship pipelined, as GPU clusters train it: the 9 scanned groups of 8 layers over 9 stages (the stage axis
+# outermost: whole hosts), each stage's experts over the 8 GPUs of a host (the all-to-all stays on NVLink), fsdp
+# across hosts; a stage's weights gathered once per step (`ling2.layers.pipeline`). 1,152 sequences of 4K (4.7M
+# tokens) per step: 9 x 128, so the batch also splits over the stages outside the pipeline; `micro` pipeline
+# micro-batches of 1,152 / micro sequences.
+def _1t_pipelined(topology: str, devices: int, micro: int, seqs: int = 1152) -> tuple:
+    return (topology, 1, ["model_name=ling2.5-1t", "remat_policy=full", "mu_dtype=bfloat16",
+                          _rules_with(embed=["fsdp", "expert", "stage"]), "ici_stage_parallelism=9",
+                          f"ici_fsdp_parallelism={devices // 72}", "ici_expert_parallelism=8",
+                          f"per_device_batch_size={seqs / devices}", "gradient_accumulation_steps=1",
+                          f"pipeline_microbatches={micro}"])
+
+
+PLANS["ling2.5-1t pipelined h200-576"] = _1t_pipelined("h200-576", 576, 18)  # XLA:GPU needs > 24 GB here: NOTES
 # Expert-parallel exchange (issue 28): "auto" is the ragged all-to-all on TPU, its receive buffers bounded at
 # twice the balanced share (the default); these run the padded exchange and the unbounded ragged one beside it.
 PLANS.update({f"{name} padded": (PLANS[name][0], 1, [*PLANS[name][2], "moe_ep_all_to_all=padded"])
@@ -192,8 +206,9 @@ def main():
 
 def table(results) -> str:
     by = {r["name"]: r for r in results}
-    cols = ["plan", "mesh (d,f,e,c,t)", "M x b", "seq", "params", "opt", "temp", "total GiB", "HBM", "fits",
-            "compile s", "RSS GB", "RSS lowered", "step s", "MFU", "roofline s", "ICI GiB", "total vs"]
+    cols = ["plan", "mesh", "M x b", "seq", "params", "opt", "temp", "total GiB", "HBM", "fits",
+            "compile s", "RSS GB", "RSS lowered", "step s", "MFU", "roofline s", "MFU bound", "ICI GiB",
+            "network GiB", "total vs"]
     rows = []
     for r in results:
         if "total_bytes" not in r:
@@ -202,7 +217,7 @@ def table(results) -> str:
         g = lambda k: f"{r[k] / GiB:.2f}" if k in r else "-"
         base = by.get(BASELINE.get(r["name"], ""))
         rows.append([
-            r["name"], ",".join(str(v) for v in r["mesh"].values()),
+            r["name"], " ".join(f"{a} {n}" for a, n in r["mesh"].items() if n > 1) or "1",
             f"{r['gradient_accumulation_steps']} x {r['micro_batch_seqs']}", str(r.get("seq_len", "")),
             g("params_bytes"), g("opt_state_bytes"),
             g("temp_bytes"), g("total_bytes"), g("hbm_bytes"), "yes" if r["fits"] else "no",
@@ -211,7 +226,8 @@ def table(results) -> str:
             f"{r['step_s_at_peak']:.2f}" if "step_s_at_peak" in r else "-",
             f"{100 * r['mfu_at_peak']:.0f}%" if "mfu_at_peak" in r else "-",
             f"{r['roofline_step_s']:.2f} ({r['roofline_bound']})" if "roofline_step_s" in r else "-",
-            g("collective_wire_bytes"),
+            f"{100 * r['mfu_roofline']:.0f}%" if "mfu_roofline" in r else "-",
+            g("collective_wire_bytes"), g("collective_network_wire_bytes"),
             f"{r['total_bytes'] / base['total_bytes']:.2f}x {base['name']}" if base and "total_bytes" in base else "",
         ])
     w = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]

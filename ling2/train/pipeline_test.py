@@ -1,0 +1,105 @@
+"""Pipeline parallelism on 8 fake CPU devices: a training step with the scanned layer groups split over the
+`stage` axis (GPipe schedule, `ling2.layers.pipeline`) equals the same step on one device.
+
+Reference: the unpipelined step of the same model, seed and global batch on one device. Compared as in
+`context_parallel_test`: the loss, every gradient of a micro-batch, and the parameters and loss-free expert
+biases after one optimizer step of two micro-batches, each within 1e-5 relative in float32, or within twice
+the float32 reordering error the same sums show without a pipeline, measured per tensor: the unpipelined step
+sharded over the same devices (stage folded into fsdp) and, for the updated parameters, the one-device step
+with each micro-batch's rows cut into the pipeline's micro-batches (gradient_accumulation_steps x P; with
+calculate_per_token_loss the objective is the same). Adam's first step, about lr * sign(g), turns such
+reorderings of near-zero gradient entries into parameter differences; on 8 devices the unpipelined step itself
+differs from one device by about 1e-4 in some gradients.
+
+The model is ling2-micro with 10 layers: one unscanned group (its dense layer) and 4 scanned groups of a
+GLA and an MLA MoE layer, plus MTP; batches hold packed documents. The MoE load-balancing loss is off here
+(Ling's routers balance by the loss-free bias): with it on, a pipelined layer's loss is the mean of its
+pipeline micro-batches' losses, as Megatron-LM computes it, not the loss of their union.
+"""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from ling2.config import ConfigError, load_config
+from ling2.train import runtime
+from ling2.train.state import abstract_state
+from ling2.train.testing.steps import packed_batch, rel, run_step
+
+MODEL = dict(model_name="ling2-micro", base_num_decoder_layers=10, max_target_length=128, gla_chunk_size=8,
+             attention_block_size=16, warmup_steps_fraction=0.0, lr_schedule="constant", learning_rate=1e-3,
+             gradient_accumulation_steps=2, calculate_per_token_loss=True, scan_layers=True)
+M, B = 2, 8  # micro-batches per step, rows per micro-batch
+
+
+@functools.cache
+def batch():
+    return packed_batch(load_config(MODEL), M, B)
+
+
+@functools.cache
+def one_device():
+    return run_step(load_config(MODEL, ici_fsdp_parallelism=1), jax.devices()[:1], batch())
+
+
+@functools.cache
+def unpipelined(n: int, expert: int):
+    """The step on n devices, fsdp n / expert and expert `expert`, no pipeline."""
+    return run_step(load_config(MODEL, ici_fsdp_parallelism=n // expert, ici_expert_parallelism=expert,
+                                per_device_batch_size=B / n), jax.devices()[:n], batch())
+
+
+@functools.cache
+def rows_cut(P: int):
+    """The updated parameters of the one-device step with every micro-batch's rows cut into P micro-batches of
+    B / P rows."""
+    cut = {k: v.reshape(M * P, B // P, *v.shape[2:]) for k, v in batch().items()}
+    return run_step(load_config(MODEL, ici_fsdp_parallelism=1, gradient_accumulation_steps=M * P),
+                    jax.devices()[:1], cut)[2]
+
+
+@pytest.mark.parametrize("mesh,P", [(dict(stage=2), 2), (dict(stage=4), 4), (dict(stage=2), 8),
+                                    (dict(stage=2, fsdp=2, expert=2), 2)],
+                         ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict) else f"P{v}")
+def test_pipelined_step_equals_one_device(mesh, P):
+    assert len(jax.devices()) == 8
+    loss1, grads1, params1 = one_device()
+    n = int(np.prod(list(mesh.values())))
+    cfg = load_config(MODEL, {f"ici_{a}_parallelism": mesh.get(a, 1) for a in runtime.MESH_AXES},
+                      pipeline_microbatches=P, per_device_batch_size=B / n)
+    loss, grads, params = run_step(cfg, jax.devices()[:n], batch())
+    assert abs(loss - loss1) <= 1e-5 * abs(loss1)
+    assert grads.keys() == grads1.keys() and params.keys() == params1.keys()
+    flat = unpipelined(n, mesh.get("expert", 1))
+    for name, new, ref, others in (("gradients", grads, grads1, [flat[1]]),
+                                   ("updated parameters", params, params1, [flat[2], rows_cut(P)])):
+        floor = {p: max(rel(ref[p], o[p]) for o in others) for p in ref}
+        bad = {p: (r, floor[p]) for p in ref if (r := rel(ref[p], new[p])) > max(1e-5, 2 * floor[p])}
+        assert not bad, f"{name} off by more than 1e-5 relative (or twice the float32 reordering error): {bad}"
+
+
+def test_each_stage_holds_its_own_groups():
+    """The stacked groups' weights really are split over the stages: on a 4-stage mesh each holds one of the 4
+    scanned groups, and the unscanned layers' weights are on every stage."""
+    cfg = load_config(MODEL, ici_stage_parallelism=4, ici_fsdp_parallelism=1, pipeline_microbatches=4,
+                      per_device_batch_size=2)
+    mesh = runtime.make_mesh(cfg, jax.devices()[:4])
+    flat = jax.tree_util.tree_flatten_with_path(abstract_state(cfg, mesh).state.params)[0]
+    specs = {jax.tree_util.keystr(p): tuple(x.sharding.spec) for p, x in flat}
+    groups = {p: s for p, s in specs.items() if "'groups'" in p}
+    assert groups and all(s[0] == "stage" for s in groups.values()), groups
+    assert all("stage" not in jax.tree.leaves(s) for p, s in specs.items() if "'prefix'" in p)
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (dict(ici_stage_parallelism=3, ici_fsdp_parallelism=1), "ici_stage_parallelism"),  # 4 groups
+    (dict(ici_stage_parallelism=2, ici_fsdp_parallelism=1, pipeline_microbatches=3), "pipeline_microbatches"),
+    (dict(ici_stage_parallelism=2, ici_fsdp_parallelism=1, scan_layers=False), "scan_layers"),
+])
+def test_bad_pipeline_settings_name_the_field(overrides, field):
+    cfg = load_config(MODEL, overrides)
+    n = overrides["ici_stage_parallelism"]
+    with pytest.raises(ConfigError, match=field):
+        runtime.make_mesh(cfg, jax.devices()[:n])
