@@ -55,7 +55,7 @@ def check_plan(p):
 def test_fsdp_expert_tensor_on_one_slice(monkeypatch):
     seen = spy_compiled(monkeypatch)
     p, cfg = run_plan("v5p-16", ici_fsdp_parallelism=2, ici_expert_parallelism=2, ici_tensor_parallelism=2)
-    assert p["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "context": 1, "tensor": 2} and p["chips"] == 8
+    assert p["mesh"] == {"stage": 1, "data": 1, "fsdp": 2, "expert": 2, "context": 1, "tensor": 2} and p["chips"] == 8
     check_plan(p)
     hlo = seen["hlo"]
     assert "all-to-all" in hlo  # MoE expert parallelism exchanges tokens
@@ -79,7 +79,7 @@ def test_two_slices_data_over_dcn(monkeypatch):
     real = loop.compile_train_step
     monkeypatch.setattr(loop, "compile_train_step", lambda cfg, mesh, *a: meshes.append(mesh) or real(cfg, mesh, *a))
     p, _ = run_plan("v5p-8", num_slices=2, dcn_data_parallelism=2, ici_fsdp_parallelism=2, ici_expert_parallelism=2)
-    assert p["mesh"] == {"data": 2, "fsdp": 2, "expert": 2, "context": 1, "tensor": 1} and p["num_slices"] == 2
+    assert p["mesh"] == {"stage": 1, "data": 2, "fsdp": 2, "expert": 2, "context": 1, "tensor": 1} and p["num_slices"] == 2
     check_plan(p)
     devs = np.asarray(meshes[0].devices)
     for i in range(2):  # the data axis is the slice: only it crosses the data-center network

@@ -20,8 +20,9 @@ def mesh(**sizes):
 
 def test_mesh_shape_fill_and_errors():
     cfg = load_config(ici_fsdp_parallelism=-1, ici_expert_parallelism=2, ici_tensor_parallelism=2)
-    assert runtime.mesh_shape(cfg, 8) == (1, 2, 2, 1, 2)
-    assert dict(runtime.make_mesh(cfg).shape) == {"data": 1, "fsdp": 2, "expert": 2, "context": 1, "tensor": 2}
+    assert runtime.mesh_shape(cfg, 8) == (1, 1, 2, 2, 1, 2)
+    assert dict(runtime.make_mesh(cfg).shape) == {"stage": 1, "data": 1, "fsdp": 2, "expert": 2, "context": 1,
+                                                  "tensor": 2}
     with pytest.raises(ValueError, match="ici_"):
         runtime.mesh_shape(load_config(ici_fsdp_parallelism=3), 8)
     with pytest.raises(ValueError, match="ici_"):
@@ -30,8 +31,8 @@ def test_mesh_shape_fill_and_errors():
 
 def test_multi_slice_mesh_shapes_and_errors():
     cfg = load_config(ici_fsdp_parallelism=-1, ici_tensor_parallelism=2, dcn_data_parallelism=2, dcn_fsdp_parallelism=-1)
-    assert runtime.mesh_shapes(cfg, 32, num_slices=4) == ((1, 4, 1, 1, 2), (2, 2, 1, 1, 1))
-    assert runtime.mesh_shape(cfg, 32, num_slices=4) == (2, 8, 1, 1, 2)
+    assert runtime.mesh_shapes(cfg, 32, num_slices=4) == ((1, 1, 4, 1, 1, 2), (1, 2, 2, 1, 1, 1))
+    assert runtime.mesh_shape(cfg, 32, num_slices=4) == (1, 2, 8, 1, 1, 2)
     with pytest.raises(ValueError, match="dcn_"):  # 2 x 2 slices asked for, 2 there
         runtime.mesh_shape(load_config(dcn_data_parallelism=2, dcn_expert_parallelism=2), 16, num_slices=2)
     with pytest.raises(ValueError, match="dcn_"):  # one slice cannot be split over dcn
