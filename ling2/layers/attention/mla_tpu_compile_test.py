@@ -36,7 +36,7 @@ def test_splash_attention_under_context_parallelism_compiles_to_mosaic_for_v5p()
     from ling2.config import load_config
     from ling2.config.specs import RunSpec
 
-    devices = np.array(topology.devices("v5p-8")[:4]).reshape(1, 1, 1, 4, 1)
+    devices = np.array(topology.devices("v5p-8")[:4]).reshape(1, 1, 1, 1, 4, 1)
     mesh = Mesh(devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     rules = [("activation_batch", ["data", "fsdp"]), ("activation_length", ["context"]),
              ("activation_heads", ["tensor"])]
