@@ -83,7 +83,7 @@ def test_two_slices_data_over_dcn(monkeypatch):
     check_plan(p)
     devs = np.asarray(meshes[0].devices)
     for i in range(2):  # the data axis is the slice: only it crosses the data-center network
-        assert {d.slice_index for d in devs[i].ravel()} == {i}
+        assert {d.slice_index for d in devs[:, i].ravel()} == {i}
 
 
 def test_context_parallel_plan_reports_its_collectives_and_roofline():
