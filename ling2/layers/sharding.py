@@ -46,16 +46,16 @@ def _spec(names, shape, rules, sizes: dict) -> PartitionSpec:
     return PartitionSpec(*out)
 
 
-def _manual_axes() -> frozenset:
-    """The mesh axes the code being traced is manual over (inside `shard_map`); empty outside."""
-    m = jax.sharding.get_abstract_mesh()
-    return frozenset() if m.empty else frozenset(m.manual_axes)
+def _split_sizes(sizes, mesh) -> dict:
+    """{mesh axis: size} of `sizes` ((axis, size) pairs), the axes `mesh` is manual over (inside `shard_map`)
+    counted as 1: the code traced there splits only over the others."""
+    manual = frozenset(getattr(mesh, "manual_axes", ())) if not mesh.empty else frozenset()
+    return {a: 1 if a in manual else n for a, n in sizes}
 
 
 def _sizes(run) -> dict:
-    """{mesh axis: size} of `run`'s mesh, the axes the traced code is manual over counted as 1."""
-    manual = _manual_axes()
-    return {a: 1 if a in manual else n for a, n in run.mesh_shape}
+    """`_split_sizes` of `run`'s mesh under the ambient one."""
+    return _split_sizes(run.mesh_shape, jax.sharding.get_abstract_mesh())
 
 
 def _split(run, name: str, size: int) -> tuple:
@@ -105,8 +105,7 @@ def shard_map_by_names(f, in_names, out_names, rules, *, mesh=None):
         if m.empty or m.size == 1:
             return f(*args)
         r = rules if isinstance(rules, dict) else rules_dict(rules)
-        manual = frozenset(getattr(m, "manual_axes", ()))
-        sizes = {a: 1 if a in manual else n for a, n in dict(m.shape).items()}
+        sizes = _split_sizes(dict(m.shape).items(), m)
         axes = {}
         for names, x in zip(in_names, args):
             if isinstance(names, PartitionSpec) or not isinstance(names, tuple):
