@@ -253,6 +253,12 @@ class Mesh(_Group):
     pipeline_microbatches: PositiveInt = _f(
         "With stages > 1: pipeline micro-batches each micro-batch's rows split into (GPipe schedule; the bubble is "
         "(stages - 1) / (pipeline_microbatches + stages - 1) of the pipelined layers' time).")
+    pipeline_weights_dtype: T.DTypeOrDefault = _f(
+        "With stages > 1: dtype a stage holds its weights in, gathered for the whole step, and sums their gradients "
+        "over its micro-batches in; '' keeps weight_dtype (exact against no pipeline). bfloat16 halves both, the "
+        "bulk of a stage's memory, as Megatron-LM's bf16 parameters with --main-grads-dtype bf16: the layers then "
+        "compute from bfloat16-rounded weights (routers and norms included) and the optimizer still updates the "
+        "weight_dtype master copy.")
     ici_data_parallelism: int = _f("Size of the mesh's data axis (pure data parallelism); -1 fills the remaining devices.")
     ici_fsdp_parallelism: int = _f("Size of the fsdp axis (parameters sharded, batch split); -1 fills.")
     ici_expert_parallelism: int = _f("Size of the expert axis (experts sharded, batch split); -1 fills.")
@@ -464,7 +470,7 @@ RESUME_FIELDS: dict[str, str] = {
     # training hyperparameters outside the optimizer group
     "dtype": RESUME_WARN, "quantization": RESUME_WARN, "fp8_scaling": RESUME_WARN, "float32_logits": RESUME_WARN, "load_balance_loss_weight": RESUME_WARN,
     "moe_z_loss_weight": RESUME_WARN, "routed_bias_update_rate": RESUME_WARN, "mtp_loss_scaling_factor": RESUME_WARN,
-    "tokenizer_path": RESUME_WARN,
+    "tokenizer_path": RESUME_WARN, "pipeline_weights_dtype": RESUME_WARN,
     # the batch shape of a step
     "per_device_batch_size": RESUME_FIXED, "gradient_accumulation_steps": RESUME_FIXED,
     "eval_interval": RESUME_FREE, "eval_steps": RESUME_FREE, "merge_window": RESUME_FREE, "merge_every": RESUME_FREE,

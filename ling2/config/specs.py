@@ -58,6 +58,7 @@ class RunSpec:
     loss_vocab_blocks: int
     logical_axis_rules: tuple
     pipeline_microbatches: int
+    pipeline_weights_dtype: str
     mesh_shape: tuple = ()
 
     @classmethod

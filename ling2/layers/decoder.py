@@ -206,9 +206,9 @@ class Ling2Decoder(LayerStack):
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
         run = lambda layer, i, x, extras: self._run(layer, i, x, *extras)  # noqa: E731
         x, aux = self.fold(run, self.embed(ids_BT), (positions_BT, segment_ids_BT, valid_BT), self.run)
-        if pipeline.stages(self.run) > 1:  # the scanned layers' MoE losses, summed over micro-batches: their mean
-            P = self.run.pipeline_microbatches
+        if pipeline.stages(self.run) > 1:  # the scanned layers' MoE losses, summed over their parts: their mean
+            n = pipeline.parts(self.run, B)
             aux = {i: a if a is None or not self.scanned(i) else
-                   a.replace(lb_loss=a.lb_loss / P, z_loss=a.z_loss / P) for i, a in aux.items()}
+                   a.replace(lb_loss=a.lb_loss / n, z_loss=a.z_loss / n) for i, a in aux.items()}
         return self._head(x, aux, return_logits)
 

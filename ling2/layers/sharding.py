@@ -53,23 +53,30 @@ def _split_sizes(sizes, mesh) -> dict:
     return {a: 1 if a in manual else n for a, n in sizes}
 
 
-def _sizes(run) -> dict:
-    """`_split_sizes` of `run`'s mesh under the ambient one."""
-    return _split_sizes(run.mesh_shape, jax.sharding.get_abstract_mesh())
+def _sizes(run, manual=()) -> dict:
+    """`_split_sizes` of `run`'s mesh under the ambient one, the axes in `manual` counted as 1 too."""
+    sizes = _split_sizes(run.mesh_shape, jax.sharding.get_abstract_mesh())
+    return {a: 1 if a in manual else n for a, n in sizes.items()}
 
 
-def _split(run, name: str, size: int) -> tuple:
+def _split(run, name: str, size: int, manual=()) -> tuple:
     """(mesh sizes, mesh axes a dim of logical `name` and `size` splits over) under `run`."""
-    sizes = _sizes(run)
+    sizes = _sizes(run, manual)
     if not sizes:
         return sizes, ()
     axes = _spec((name,), (size,), rules_dict(run.logical_axis_rules), sizes)[0]
     return sizes, () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def dim_axes(run, name: str, size: int) -> tuple[str, ...]:
-    """The mesh axes a dim of logical `name` and `size` is split over under `run` (a RunSpec), in order."""
-    return _split(run, name, size)[1]
+def dim_axes(run, name: str, size: int, manual=()) -> tuple[str, ...]:
+    """The mesh axes a dim of logical `name` and `size` is split over under `run` (a RunSpec), in order; the
+    axes in `manual` count as size 1, as inside a `shard_map` manual over them."""
+    return _split(run, name, size, manual)[1]
+
+
+def spec(names, shape, run) -> PartitionSpec:
+    """The PartitionSpec of an array of `shape` whose dims have logical `names`, under `run` (a RunSpec)."""
+    return _spec(names, shape, rules_dict(run.logical_axis_rules), _sizes(run))
 
 
 def dim_shards(run, name: str, size: int) -> int:
@@ -154,4 +161,4 @@ def constrain(x, names, run):
     if not run.mesh_shape:
         return x
     mesh_of(run)
-    return jax.lax.with_sharding_constraint(x, _spec(names, x.shape, rules_dict(run.logical_axis_rules), _sizes(run)))
+    return jax.lax.with_sharding_constraint(x, spec(names, x.shape, run))

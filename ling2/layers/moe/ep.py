@@ -1,6 +1,7 @@
 """Expert parallelism: routed experts sharded over the `expert` mesh axis, tokens moved by all-to-all.
 
 Inside `shard_map`, each device holds T local tokens (its rows' positions on its context shard) and E/n experts (n = size of `expert`).
+Inside a pipeline stage already manual over `expert` (`ling2.layers.pipeline`) the body runs as is.
 With n = 1 (no expert axis) the same body is the per-device grouped matmul of a multi-device
 mesh: the weights are gathered whole, the all-to-alls are no-ops, and the grouped matmul runs on
 local rows, as a Pallas kernel (megablox) must (XLA cannot partition it).
@@ -167,7 +168,8 @@ def dropless_ep(x_BSD, experts_BSK, weights_BSK, w, *, mesh, rules, plans: dict,
     if E % n:
         raise ValueError(f"num_experts={E} is not divisible by the expert mesh axis ({n})")
     axes = batch_axes(mesh, rules, x_BSD.shape[0])
-    if n > 1 and "expert" not in axes:
+    within = n > 1 and "expert" in getattr(mesh, "manual_axes", ())  # a pipeline's rows: already per device
+    if n > 1 and not within and "expert" not in axes:
         raise ValueError(f"expert parallelism needs the batch ({x_BSD.shape[0]}) sharded over 'expert' by the "
                          f"activation_batch rule; it shards over {axes}")
 
@@ -184,6 +186,8 @@ def dropless_ep(x_BSD, experts_BSK, weights_BSK, w, *, mesh, rules, plans: dict,
 
     # Rows and positions split as activations (a context axis splits positions); _local needs exactly the
     # expert axis's shards of the weights.
+    if within:
+        return body(x_BSD, experts_BSK, weights_BSK, *w)
     BSD, EXP = ("activation_batch", "activation_length", None), P("expert")
     f = sharding.shard_map_by_names(body, (BSD, BSD, BSD, EXP, EXP, EXP), BSD, rules, mesh=mesh)
     return f(x_BSD, experts_BSK, weights_BSK, *w)

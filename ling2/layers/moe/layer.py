@@ -111,6 +111,9 @@ class MoE(nnx.Module):
         mesh_shape = dict(spec.run.mesh_shape)
         plans = moe_plan.plans(spec, mesh_shape, tokens=T, model_dim=D, gmm=gmm)
         path = plans["default"].path
+        if path != "expert_parallel" and "expert" in getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
+            raise ValueError(f"sparse_matmul: a pipeline over rows split on the expert axis holds only its "
+                             f"experts' weights, which the {path} path cannot use; set sparse_matmul=true")
         if path == "dense_capacity":
             y_BSD, kept_BSK = moe_experts.dense_capacity(x_BSD, experts_BSK, weights_BSK, w, spec.capacity_factor, q)
             dropped_BSK = ~kept_BSK if valid_BS is None else ~kept_BSK & valid_BS.astype(bool)[..., None]

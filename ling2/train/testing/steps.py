@@ -1,6 +1,7 @@
 """One training step on a mesh of fake CPU devices, compared tensor by tensor: the helpers of the tests that show a
 sharded layout (context parallelism, pipeline stages) computes what one device does."""
 
+import dataclasses
 import functools
 
 import jax
@@ -37,12 +38,15 @@ def packed_batch(cfg, M, B, seed=0):
     return dict(inputs=ids[..., :-1], targets=ids[..., 1:], positions=pos, segment_ids=seg, loss_weights=w)
 
 
-def run_step(cfg, devices, batch):
+def run_step(cfg, devices, batch, params_fn=None):
     """(loss, the first micro-batch's gradients, the state after one step: parameters and the loss-free expert
-    biases, moved by the step's expert counts) as numpy, on a mesh over `devices`."""
+    biases, moved by the step's expert counts) as numpy, on a mesh over `devices`; `params_fn` maps the
+    initial parameters first."""
     mesh = runtime.make_mesh(cfg, devices)
     setup = abstract_state(cfg, mesh)
     state = init_state(cfg, mesh, setup)
+    if params_fn is not None:
+        state = dataclasses.replace(state, params=params_fn(state.params))
     M, B, T = batch["inputs"].shape
     sh = runtime.batch_sharding(cfg, mesh, B, T)
     batch = {k: jax.device_put(v, sh) for k, v in batch.items()}

@@ -120,18 +120,24 @@ PLANS.update({
 })
 # The flagship pipelined, as GPU clusters train it: the 9 scanned groups of 8 layers over 9 stages (the stage axis
 # outermost: whole hosts), each stage's experts over the 8 GPUs of a host (the all-to-all stays on NVLink), fsdp
-# across hosts; a stage's weights gathered once per step (`ling2.layers.pipeline`). 1,152 sequences of 4K (4.7M
-# tokens) per step: 9 x 128, so the batch also splits over the stages outside the pipeline; `micro` pipeline
-# micro-batches of 1,152 / micro sequences.
-def _1t_pipelined(topology: str, devices: int, micro: int, seqs: int = 1152) -> tuple:
+# across hosts; a stage's weights gathered once per step and held in bfloat16 (`ling2.layers.pipeline`), the
+# expert-parallel receive buffers at 1.25x the balanced share. 18 pipeline micro-batches of one sequence per GPU:
+# `seqs` sequences of 4K per step, a multiple of 9 x (GPUs / 9) so the batch also splits over the stages outside
+# the pipeline.
+def _1t_pipelined(topology: str, devices: int, seqs: int, weights: str = "bfloat16") -> tuple:
     return (topology, 1, ["model_name=ling2.5-1t", "remat_policy=full", "mu_dtype=bfloat16",
                           _rules_with(embed=["fsdp", "expert", "stage"]), "ici_stage_parallelism=9",
                           f"ici_fsdp_parallelism={devices // 72}", "ici_expert_parallelism=8",
                           f"per_device_batch_size={seqs / devices}", "gradient_accumulation_steps=1",
-                          f"pipeline_microbatches={micro}"])
+                          "pipeline_microbatches=18", f"pipeline_weights_dtype={weights}",
+                          "moe_ep_capacity_factor=1.25"])
 
 
-PLANS["ling2.5-1t pipelined h200-576"] = _1t_pipelined("h200-576", 576, 18)  # XLA:GPU needs > 24 GB here: NOTES
+PLANS.update({
+    "ling2.5-1t pipelined f32 h200-576": _1t_pipelined("h200-576", 576, 1152, weights="float32"),
+    "ling2.5-1t pipelined h200-576": _1t_pipelined("h200-576", 576, 1152),
+    "ling2.5-1t pipelined h200-1152": _1t_pipelined("h200-1152", 1152, 2304),
+})
 # Expert-parallel exchange (issue 28): "auto" is the ragged all-to-all on TPU, its receive buffers bounded at
 # twice the balanced share (the default); these run the padded exchange and the unbounded ragged one beside it.
 PLANS.update({f"{name} padded": (PLANS[name][0], 1, [*PLANS[name][2], "moe_ep_all_to_all=padded"])
@@ -140,7 +146,8 @@ PLANS.update({f"{name} ragged unbounded": (PLANS[name][0], 1, [*PLANS[name][2], 
               for name in ("v5p-64", "v5p-256")})
 BASELINE = {"v5p-64 full logits": "v5p-64", "v5p-64 padded": "v5p-64", "v5p-256 padded": "v5p-256",
             "v5p-64 ragged unbounded": "v5p-64", "v5p-256 ragged unbounded": "v5p-256",
-            "ling2 h100-64 padded": "ling2 h100-64", "ling3 h100-64 padded": "ling3 h100-64"}
+            "ling2 h100-64 padded": "ling2 h100-64", "ling3 h100-64 padded": "ling3 h100-64",
+            "ling2.5-1t pipelined h200-576": "ling2.5-1t pipelined f32 h200-576"}
 
 
 def run_plan(name, topology, num_slices, overrides, outdir):
