@@ -82,7 +82,7 @@ def check_pipelined_step(mesh: dict, P: int):
         assert not bad, f"{name} off by more than 1e-5 relative (or twice the float32 reordering error): {bad}"
 
 
-# Each costly case is its own test, between cheap ones, so that Bazel's 5 shards (contiguous slices of 2) get one each.
+# Each costly case is its own test, so that Bazel's 10 shards (one test each) run them apart.
 def test_four_stages_equal_one_device():
     """4 stages of one group each, 4 pipeline micro-batches of 2 rows."""
     check_pipelined_step(dict(stage=4), 4)
@@ -105,10 +105,12 @@ def test_each_stage_holds_its_own_groups():
     (dict(ici_stage_parallelism=3, ici_fsdp_parallelism=1), "ici_stage_parallelism"),  # 4 groups
     (dict(ici_stage_parallelism=2, ici_fsdp_parallelism=1, pipeline_microbatches=3), "pipeline_microbatches"),
     (dict(ici_stage_parallelism=2, ici_fsdp_parallelism=1, scan_layers=False), "scan_layers"),
+    (dict(ici_stage_parallelism=2, ici_fsdp_parallelism=1, ici_expert_parallelism=2, sparse_matmul=False),
+     "sparse_matmul"),
 ])
 def test_bad_pipeline_settings_name_the_field(overrides, field):
     cfg = load_config(MODEL, overrides)
-    n = overrides["ici_stage_parallelism"]
+    n = overrides["ici_stage_parallelism"] * overrides.get("ici_expert_parallelism", 1)
     with pytest.raises(ConfigError, match=field):
         runtime.make_mesh(cfg, jax.devices()[:n])
 

@@ -69,9 +69,13 @@ def hybrid_device_array(slices: list, ici: tuple, dcn: tuple) -> np.ndarray:
     return arr.reshape([d * i for d, i in zip(dcn, ici)])
 
 
-def pipeline_problem(cfg, stages: int, rows: int) -> None:
+def pipeline_problem(cfg, stages: int, rows: int, expert: int = 1) -> None:
     """ConfigError naming the field when `stages` pipeline stages cannot run cfg's model on micro-batches of
-    `rows` rows (`ling2.layers.pipeline`)."""
+    `rows` rows with an expert axis of size `expert` (`ling2.layers.pipeline`)."""
+    if expert > 1 and not cfg.sparse_matmul:
+        raise ConfigError("sparse_matmul: a pipeline stage runs the expert-parallel exchange on its own experts' "
+                          "weights, which the dense-capacity path (sparse_matmul=false) cannot use; set "
+                          "sparse_matmul=true")
     if not cfg.scan_layers:
         raise ConfigError(f"scan_layers: pipeline stages ({stages}) split the scanned layer groups; set scan_layers=true")
     groups = ModelSpec.of(cfg).plan.num_groups
@@ -96,9 +100,9 @@ def make_mesh(cfg, devices=None) -> Mesh:
     if problem:
         raise ConfigError(f"ici_context_parallelism: {problem}")
     stages = ici[MESH_AXES.index("stage")] * dcn[MESH_AXES.index("stage")]
-    if stages > 1:
-        pipeline_problem(cfg, stages, int(cfg.per_device_batch_size * len(devices)))
     expert = ici[MESH_AXES.index("expert")] * dcn[MESH_AXES.index("expert")]
+    if stages > 1:
+        pipeline_problem(cfg, stages, int(cfg.per_device_batch_size * len(devices)), expert)
     if cfg.moe_ep_all_to_all == "ragged" and expert > 1 and devices[0].platform == "cpu":
         raise ConfigError("moe_ep_all_to_all: 'ragged' cannot run on CPU devices (XLA:CPU has no ragged "
                           "all-to-all); use 'auto' or 'padded' ('emulated' runs the ragged offsets with padded "
