@@ -18,11 +18,13 @@ bandwidths (on GPU clusters, collectives whose groups span hosts at the NIC's sp
 slowest term. The last line is
 `<topology>: <X> GiB of <Y> GiB per chip (fits)` or `(does not fit, short by Z GiB)`; exit 0 / 1.
 Bad input (unknown topology, a mesh or batch that does not divide the topology, bad config
-keys) exits 2 with the error named.
+keys) exits 2 with the error named. On TPUs the plan counts the collectives XLA offloaded to the SparseCores;
+`--nosparse_core_collectives` keeps them on the TensorCores (Ironwood's large plans need it on a 24 GB host).
 """
 
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -35,12 +37,39 @@ flags.DEFINE_integer("num_slices", 1, "Identical TPU slices joined over the data
                      "dcn_*_parallelism to split the mesh over them, default: all over dcn_data).")
 flags.DEFINE_string("config", "configs/base.yml", "Root config file (relative: the working directory, then the repository).")
 flags.DEFINE_string("out", None, "Write the plan as JSON here.")
+flags.DEFINE_bool("sparse_core_collectives", True, "TPU: let XLA run collectives on the chip's SparseCores where it "
+                  "offloads them (its default). --nosparse_core_collectives keeps them on the TensorCores: an Ironwood "
+                  "(tpu7x) plan compiles its SparseCore collective programs in about twice the host memory and time "
+                  "(tools/bench/compile/NOTES.md); the plan is then of that program.")
 
 GiB = 1024**3
 
 
 class PlanError(ValueError):
     """Bad input to a plan: its message names the flag or config field."""
+
+
+# libtpu's switches for each kind of collective it can offload to the SparseCores.
+_SPARSE_CORE_COLLECTIVES_OFF = tuple(
+    f"--xla_tpu_enable_sparse_core_collective_offload_{kind}=false"
+    for kind in ("all_gather", "all_reduce", "reduce_scatter", "nd_reduce_scatter", "dense_all_to_all",
+                 "ragged_all_to_all"))
+
+
+def libtpu_init_args(current: str, sparse_core_collectives: bool) -> str:
+    """LIBTPU_INIT_ARGS for a plan: the user's own, then the SparseCore collective switches when they are off."""
+    return " ".join([current.strip(), *(() if sparse_core_collectives else _SPARSE_CORE_COLLECTIVES_OFF)]).strip()
+
+
+_SPARSE_CORE_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT )?%(?:all-gather|all-reduce|reduce-scatter|all-to-all|ragged-all-to-all|collective-permute)\S* = "
+    r'.*async_execution_thread="sparsecore"', re.M)
+
+
+def count_sparse_core_collectives(hlo_text: str) -> int:
+    """The compiled program's collectives that XLA offloaded to the SparseCores (async calls on their thread;
+    its other SparseCore work, e.g. scatters and copies, is not counted)."""
+    return len(_SPARSE_CORE_COLLECTIVE.findall(hlo_text))
 
 
 def _shard_bytes(x) -> int:
@@ -167,7 +196,10 @@ def plan(cfg, topo, log=print) -> dict:
     peak = topo.chip.peak_bf16_flops
     out["step_s_at_peak"] = executed / peak
     out["mfu_at_peak"] = out["ling2_flops_per_chip"] / executed
-    out.update(roofline(compiled.as_text(), dict(mesh.shape), topo.chip, out["step_s_at_peak"], cfg))
+    hlo = compiled.as_text()
+    out.update(roofline(hlo, dict(mesh.shape), topo.chip, out["step_s_at_peak"], cfg))
+    if topo.chip.platform == "tpu":
+        out["sparse_core_collective_calls"] = count_sparse_core_collectives(hlo)
     out["mfu_roofline"] = out["ling2_flops_per_chip"] / peak / out["roofline_step_s"]
     return out
 
@@ -257,6 +289,9 @@ def table(p: dict) -> str:
                       f"{p['chip_hbm_bandwidth'] / 1e9:.0f} GB/s HBM, {p['chip_ici_bandwidth'] / 1e9:.0f} GB/s ICI: "
                       f"{p['chip_source']})"),
                      ("MFU bound at the roofline step", f"{100 * p['mfu_roofline']:9.1f} %")]
+            if "sparse_core_collective_calls" in p:
+                rows += [("collectives run on SparseCores", f"{p['sparse_core_collective_calls']:9d} calls"
+                          + ("" if p.get("sparse_core_collectives", True) else "  (off: --nosparse_core_collectives)"))]
             if "full_attention_context_imbalance" in p:
                 rows += [("full attention: causal work, max / mean shard",
                           f"{p['full_attention_context_imbalance']:9.3f}  "
@@ -297,6 +332,11 @@ def main(argv) -> int:
     except ValueError as e:
         print(f"error: --topology: {e}", file=sys.stderr)
         return 2
+    if not FLAGS.sparse_core_collectives:
+        if topo.chip.platform != "tpu":
+            print(f"error: bad flag: --nosparse_core_collectives: {topo.name} is not a TPU topology", file=sys.stderr)
+            return 2
+        os.environ["LIBTPU_INIT_ARGS"] = libtpu_init_args(os.environ.get("LIBTPU_INIT_ARGS", ""), False)
     overrides = list(argv[1:])
     try:
         cfg = load_config(*overrides, config_file=find_file(FLAGS.config))
@@ -310,6 +350,7 @@ def main(argv) -> int:
     except ValueError as e:  # PlanError and the model's own checks name their field
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    p["sparse_core_collectives"] = FLAGS.sparse_core_collectives
     print(table(p))
     if FLAGS.out:
         out = user_path(FLAGS.out)  # relative to where the user ran bazel, not the runfiles tree

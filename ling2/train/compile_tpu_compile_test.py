@@ -214,3 +214,48 @@ def test_xla_peak_is_what_its_hbm_check_counts():
     assert mem is None
     what, used, avail = compile_lib.hbm_overflow(err)
     assert used == pytest.approx(32.0 * GiB, rel=2e-3) and avail == pytest.approx(31.25 * GiB, rel=1e-3)
+
+
+def _compile_cli(tmp_path, topology_name, *flags, timeout=900):
+    """`ling2.train.compile` in a fresh process (libtpu reads LIBTPU_INIT_ARGS once, when it loads); its plan."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / ("plan" + "".join(f.strip("-") for f in flags) + ".json")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), JAX_PLATFORMS="cpu")
+    env.pop("LIBTPU_INIT_ARGS", None)
+    r = subprocess.run([sys.executable, "-m", "ling2.train.compile", f"--topology={topology_name}", f"--out={out}",
+                        *flags, "--", "model_name=ling2-micro", "max_target_length=64", "ici_fsdp_parallelism=8",
+                        "per_device_batch_size=1", "remat_policy=full"],
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    return r, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_ironwood_plan_keeps_collectives_off_the_sparse_cores_when_asked(tmp_path):
+    """XLA:TPU offloads an Ironwood step's collectives to the SparseCores by default (the compiled HLO runs
+    them as async calls on the "sparsecore" thread: all-gathers, reduce-scatters); --nosparse_core_collectives reaches libtpu and the
+    same step compiles with none there, and still fits."""
+    r, on = _compile_cli(tmp_path, "tpu7x-4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r, off = _compile_cli(tmp_path, "tpu7x-4", "--nosparse_core_collectives")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert on["sparse_core_collectives"] and on["sparse_core_collective_calls"] > 0
+    assert not off["sparse_core_collectives"] and off["sparse_core_collective_calls"] == 0
+    assert "off: --nosparse_core_collectives" in r.stdout
+    assert off["fits"] and off["mesh"] == on["mesh"] and off["params_bytes"] == on["params_bytes"]
+
+
+def test_sparse_core_switch_on_a_gpu_topology_is_a_flag_error(tmp_path):
+    r, plan = _compile_cli(tmp_path, "h100-8", "--nosparse_core_collectives", timeout=300)
+    assert r.returncode == 2 and plan is None
+    assert "--nosparse_core_collectives: h100-8 is not a TPU topology" in r.stderr
+
+
+def test_libtpu_init_args_keep_the_users_own():
+    assert compile_lib.libtpu_init_args(" --xla_foo=1 ", True) == "--xla_foo=1"
+    off = compile_lib.libtpu_init_args("--xla_foo=1", False).split()
+    assert off[0] == "--xla_foo=1" and len(off) == 7
+    assert all(f.startswith("--xla_tpu_enable_sparse_core_collective_offload_") and f.endswith("=false")
+               for f in off[1:])

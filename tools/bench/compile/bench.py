@@ -113,7 +113,8 @@ PLANS.update({f"ling2.5-1t {t}": _1t_4k(t, n) for t, n in (
     ("h200-128", 128), ("h200-256", 256), ("h200-512", 512), ("tpu7x-256", 512))})
 PLANS.update({
     "ling2.5-1t 128k v5p-1024": _1t_128k("v5p-1024", 512, 16, "attention_kernel=flash"),
-    "ling2.5-1t 128k tpu7x-256": _1t_128k("tpu7x-256", 512, 16, "attention_kernel=flash"),
+    # context 16 (the v5p layout) is 8 GiB over an Ironwood device's HBM (NOTES.md); 32 halves the activations
+    "ling2.5-1t 128k tpu7x-256": _1t_128k("tpu7x-256", 512, 32, "attention_kernel=flash"),
     "ling2.5-1t 128k h100-512": _1t_128k("h100-512", 512, 16),
     "ling2.5-1t 128k h200-512": _1t_128k("h200-512", 512, 16),
     "ling2.5-1t 128k h100-1024": _1t_128k("h100-1024", 1024, 32),
@@ -150,11 +151,16 @@ BASELINE = {"v5p-64 full logits": "v5p-64", "v5p-64 padded": "v5p-64", "v5p-256 
             "ling2.5-1t pipelined h200-576": "ling2.5-1t pipelined f32 h200-576"}
 
 
+# Compile flags by generation: Ironwood's SparseCore collective programs take this host past 24 GB at the 1T
+# model's size (NOTES.md, "Ironwood"), so its plans keep the collectives on the TensorCores.
+COMPILE_FLAGS = {"tpu7x": ["--nosparse_core_collectives"]}
+
+
 def run_plan(name, topology, num_slices, overrides, outdir):
     """Runs the compile binary in a child process; returns its plan (JSON), exit code and peak RSS."""
     out = os.path.join(outdir, name.replace(" ", "_") + ".json")
     cmd = [sys.executable, "-m", "ling2.train.compile", f"--topology={topology}", f"--num_slices={num_slices}",
-           f"--out={out}", "--", *SEQ, *(overrides if any(o.startswith("model_name=") for o in overrides)
+           f"--out={out}", *COMPILE_FLAGS.get(topology.split("-")[0], []), "--", *SEQ, *(overrides if any(o.startswith("model_name=") for o in overrides)
                                          else ["model_name=ling2", *overrides])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), JAX_PLATFORMS="cpu",
                TPU_STDERR_LOG_LEVEL="0", TPU_MIN_LOG_LEVEL="0")  # libtpu's own HBM report (`libtpu_hbm`)
