@@ -119,6 +119,13 @@ PLANS.update({
     "ling2.5-1t 128k h200-512": _1t_128k("h200-512", 512, 16),
     "ling2.5-1t 128k h100-1024": _1t_128k("h100-1024", 1024, 32),
 })
+# v6e (32 GiB per chip) multi-slice: 8 slices of 256 joined by fsdp over the data-center network, 2,048 sequences
+# of 4K; a device gathers only its own experts' weights (expert parallelism 64 within a slice, 4 each), the
+# expert-parallel receive buffers at 1.25x the balanced share. Expert 8, 32 and 64 at 2x are 29, 6.6 and 1.1
+# GiB over (NOTES.md).
+PLANS["ling2.5-1t v6e-256 x8"] = ("v6e-256", 8, [*_1T, "dcn_fsdp_parallelism=8", "ici_fsdp_parallelism=4",
+                                                "ici_expert_parallelism=64", "per_device_batch_size=1",
+                                                "gradient_accumulation_steps=1", "moe_ep_capacity_factor=1.25"])
 # The flagship pipelined, as GPU clusters train it: the 9 scanned groups of 8 layers over 9 stages (the stage axis
 # outermost: whole hosts), each stage's experts over the 8 GPUs of a host (the all-to-all stays on NVLink), fsdp
 # across hosts; a stage's weights gathered once per step and held in bfloat16 (`ling2.layers.pipeline`), the
