@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 
+from ling2 import topology as topology_lib
 from ling2.config.loader import load_config
 from ling2.config.paths import user_path
 
@@ -167,8 +168,8 @@ def run_plan(name, topology, num_slices, overrides, outdir):
     """Runs the compile binary in a child process; returns its plan (JSON), exit code and peak RSS."""
     out = os.path.join(outdir, name.replace(" ", "_") + ".json")
     cmd = [sys.executable, "-m", "ling2.train.compile", f"--topology={topology}", f"--num_slices={num_slices}",
-           f"--out={out}", *COMPILE_FLAGS.get(topology.split("-")[0], []), "--", *SEQ, *(overrides if any(o.startswith("model_name=") for o in overrides)
-                                         else ["model_name=ling2", *overrides])]
+           f"--out={out}", *COMPILE_FLAGS.get(topology_lib.parse(topology).chip.generation, []), "--", *SEQ,
+           *(overrides if any(o.startswith("model_name=") for o in overrides) else ["model_name=ling2", *overrides])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), JAX_PLATFORMS="cpu",
                TPU_STDERR_LOG_LEVEL="0", TPU_MIN_LOG_LEVEL="0")  # libtpu's own HBM report (`libtpu_hbm`)
     t0 = time.time()
