@@ -7,11 +7,14 @@ import json
 import math
 from collections import Counter
 
+import jax
+from flax import nnx
+
 from ling2.config import load_config
 from ling2.config.paths import find_file
 from ling2.convert import hf_config
 from ling2.convert.convert import hf_specs
-from ling2.layers.model import count_params
+from ling2.layers.model import Ling2Model, count_params
 from ling2.layers.spec import ModelSpec
 
 SRC = json.loads(find_file("ling2/convert/testing/ling2.5-1t_config.json").read_text())
@@ -66,3 +69,18 @@ def test_hf_names_and_shapes_follow_the_widths():
         "model.layers.80.mlp.experts.0.up_proj.weight": (F_MOE, D),
     }
     assert {n: specs.get(n) for n in want} == want
+
+
+def test_decode_cache_per_token_is_the_published_figure():
+    """What decoding keeps per token, read off Ling2's own decode cache (abstractly): only the MLA layers' slots grow
+    with the context (the 70 GLA layers keep a fixed-size state). Sebastian Raschka's LLM architecture gallery
+    (Ling 2.5 1T card, from the published config) lists 11.2 KiB of KV cache per token, bf16: 10 MLA layers x
+    (kv_lora_rank 512 + qk_rope_head_dim 64) x 2 bytes = 11,520 bytes = 11.25 KiB."""
+    def caches():
+        decoder = Ling2Model(ModelSpec.of(load_config(model_name="ling2.5-1t")), rngs=nnx.Rngs(0)).decoder
+        return decoder.init_cache(1, 2).layers, decoder.init_cache(1, 3).layers
+
+    two, three = (sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(c)) for c in nnx.eval_shape(caches))
+    per_token = three - two
+    assert per_token == 10 * (512 + 64) * 2 == 11_520
+    assert round(per_token / 1024, 1) == 11.2  # the gallery's figure, rounded as it prints it
