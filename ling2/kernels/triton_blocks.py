@@ -32,10 +32,11 @@ def dot(a, b, dt, ta=False, tb=False):
     return jax.lax.dot_general(a.astype(dt), b.astype(dt), dims, precision=prec, preferred_element_type=jnp.float32)
 
 
-def grid_call(kernel, args, outs, kinds, BV, interpret, num_warps=4):
+def grid_call(kernel, args, outs, kinds, BV, interpret, num_warps=4, num_stages=1):
     """The kernel on grid (B, H, V / BV): one program per batch row, head and block of BV value columns.
     kinds[i] for each arg then output: "full" (the whole per-head array), "v" (last dim, V, split into
-    blocks of BV) or "part" (one slice per V block on a leading axis: per-block partial sums)."""
+    blocks of BV) or "part" (one slice per V block on a leading axis: per-block partial sums).
+    num_stages: Triton's software pipeline depth for the loads of the kernel's loops (1: none)."""
     B, H = args[0].shape[:2]
     NV = next(x for x, kd in zip(list(args) + list(outs), kinds) if kd == "v").shape[-1] // BV
 
@@ -50,5 +51,5 @@ def grid_call(kernel, args, outs, kinds, BV, interpret, num_warps=4):
     return pl.pallas_call(
         kernel, grid=(B, H, NV), in_specs=[spec(a, kd) for a, kd in zip(args, kinds)],
         out_specs=[spec(o, kd) for o, kd in zip(outs, kinds[len(args):])], out_shape=outs, interpret=interpret,
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
     )(*args)

@@ -4,11 +4,15 @@ GPU programs run in parallel, so the only sequential work is the chunk-to-chunk 
 short sweeps carry the state with one matmul per chunk and store it at every chunk edge, then
 kernels over all chunks at once compute everything else from those stored states.
 Sweeps, grid (V / BLOCK_V, K / BLOCK_K, B, H): each program walks the N chunks of one head in order,
-carrying an fp32 [BLOCK_K, BLOCK_V] block of the state (SWEEP_STAGES pipelines the next chunk's loads
-behind the matmul):
-  states:  h_n, the state entering chunk n, then h_{n+1} = lam_n h_n + (k w)^T v; ends as the final state.
-  dstates: dh_n = dL/d(state leaving chunk n), then dh_{n-1} = lam_n dh_n + scale (q alpha)^T do; ends as
+carrying an fp32 [BLOCK_K, BLOCK_V] block of the state. SWEEP_STAGES = 3 keeps the loads of chunk n + 2 in
+flight while chunk n computes; with 2, Triton issues chunk n + 1's loads after chunk n's matmul and waits
+for all of them at the top of chunk n + 1 (`cp.async.wait_group 0` in the PTX), so they overlap nothing:
+  states:  h_n, the state entering chunk n, then h_{n+1} = lam_n h_n + k^T (w v); ends as the final state.
+  dstates: dh_n = dL/d(state leaving chunk n), then dh_{n-1} = lam_n dh_n + q^T (scale alpha do); ends as
            d(initial state).
+The per-token factor scales the matmul's untransposed operand (v, do), so the transposed one (k, q) enters
+the matmul as loaded, with no elementwise pass and register transpose on the sequential path (fla's
+chunk_fwd_h scales v the same way).
 Chunk kernels, grid (blocks, N, B, H), one chunk and one block of V (or K) per program:
   out:   o = (q k^T * D) v + scale alpha q h_n                      a V block, summing over K blocks
   dv:    dv = (k q^T * D^T) do + w k dh_n                           a V block, summing over K blocks
@@ -18,8 +22,9 @@ D_ij = scale e^{b_i - b_j} for j <= i in the same document (masked before exp); 
 n's last token (0 when a document starts inside it). The forward runs states then out; the backward
 recomputes the states, then dstates, dv and dqdk. Per-token factors (b, doc, alpha, w) are [B, H, T]
 fp32 vectors, see chunked.py.
-The stored states h_n, dh_n are [B, H, N, K, V] in STATE_DTYPE. With bf16 inputs every matmul takes
-them as bf16 (fla's convention), so storing them as bf16 gives the same numbers at half the traffic.
+The stored states h_n, dh_n are [B, H, N, K, V] in STATE_DTYPE, by default the inputs' dtype. With bf16
+inputs every matmul takes them as bf16 (fla's convention), so storing them as bf16 gives the same numbers
+as fp32 storage at half the traffic: the chunk kernels are HBM-bound (tools/bench/gla/NOTES.md).
 Triton needs power-of-two block shapes: K and V are zero-padded up to one (exact, the padding adds
 zero terms) and the chunk size must be a power of two >= 16.
 Sweep refs hold one head's whole sequence: k, q [T, BK]; v, do [T, BV]; w, alpha [T]; lam [N]; the
@@ -41,9 +46,9 @@ from ling2.kernels.triton_blocks import dot, pad_last, pad_state, pow2
 
 BLOCK_K = 64  # state rows per sweep program and per dqdk program
 BLOCK_V = 64  # state columns per sweep program and per out / dv program
-SWEEP_WARPS, SWEEP_STAGES = 4, 2
+SWEEP_WARPS, SWEEP_STAGES = 4, 3
 CHUNK_WARPS, CHUNK_STAGES = 4, 2
-STATE_DTYPE = jnp.float32  # the stored h_n and dh_n; None: q's dtype (exact for bf16 inputs, see above)
+STATE_DTYPE = None  # the stored h_n and dh_n; None: q's dtype (the same numbers as fp32 for bf16 inputs)
 
 
 def _rows(n, C):
@@ -68,8 +73,8 @@ def _states_kernel(k_ref, v_ref, w_ref, lam_ref, h0_ref, h_ref, hT_ref, *, C):
     def body(n, S_KV):
         s = _rows(n, C)
         h_ref[n] = S_KV.astype(h_ref.dtype)
-        kw_CK = k_ref[s, :] * w_ref[s][:, None]
-        return lam_ref[n] * S_KV + dot(kw_CK, v_ref[s, :], dt, ta=True)
+        wv_CV = v_ref[s, :] * w_ref[s][:, None]
+        return lam_ref[n] * S_KV + dot(k_ref[s, :], wv_CV, dt, ta=True)
 
     hT_ref[...] = jax.lax.fori_loop(0, h_ref.shape[0], body, h0_ref[...])
 
@@ -81,8 +86,8 @@ def _dstates_kernel(q_ref, do_ref, alpha_ref, lam_ref, dhT_ref, dh_ref, dh0_ref,
         n = N - 1 - r
         s = _rows(n, C)
         dh_ref[n] = G_KV.astype(dh_ref.dtype)
-        qa_CK = q_ref[s, :] * (scale * alpha_ref[s])[:, None]
-        return lam_ref[n] * G_KV + dot(qa_CK, do_ref[s, :], dt, ta=True)
+        ado_CV = do_ref[s, :] * (scale * alpha_ref[s])[:, None]
+        return lam_ref[n] * G_KV + dot(q_ref[s, :], ado_CV, dt, ta=True)
 
     dh0_ref[...] = jax.lax.fori_loop(0, N, body, dhT_ref[...])
 

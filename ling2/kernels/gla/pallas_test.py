@@ -64,7 +64,17 @@ def test_pallas_interpret_matches_naive(backend, case):
     for name, a, b in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dh0"], got, want):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert a.shape == b.shape, name
+        if name == "dg" and dtype == jnp.bfloat16:
+            np.testing.assert_array_less(np.abs(a - b), 1e-2 * _dg_terms(q, k, want[2], want[3]), err_msg=name)
+            continue
         np.testing.assert_allclose(a, b, rtol=0, atol=_tol(name, rtol) * np.abs(b).max(), err_msg=name)
+
+
+def _dg_terms(q, k, dq, dk):
+    """Per head, sum over tokens of |q.dq| + |k.dk|: the size of the terms a per-head dg sums (q.dq - k.dk over
+    the tokens). With bf16 operands their rounding is a fraction of this, however much the sum cancels."""
+    f = lambda x: np.asarray(x, np.float64)
+    return (np.abs(np.einsum("bthk,bthk->bth", f(q), f(dq))) + np.abs(np.einsum("bthk,bthk->bth", f(k), f(dk)))).sum((0, 1))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

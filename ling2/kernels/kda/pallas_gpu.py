@@ -50,6 +50,7 @@ from ling2.kernels.triton_blocks import dot, grid_call, pad_last, pad_state, pow
 _HI = jax.lax.Precision.HIGHEST
 BLOCK_V = 64  # state columns per sweep program
 SWEEP_WARPS = 4
+SWEEP_STAGES = 3  # the sweeps' loads of chunk n + 2 in flight during chunk n (tools/bench/kda/NOTES.md)
 SUB = 16  # tokens per sub-chunk of the prologue (row blocks of the pair kernel, diagonal blocks of the solve)
 BLOCK_K = 32  # key dims per step of the pairs kernel's products (its matmul operands stay in registers)
 PAIRS_WARPS = 4
@@ -292,7 +293,7 @@ def forward(q, k, v, g, beta, aux, h0, scale, C, *, interpret=False, block_v=Non
     args = tuple(ops[n] for n in ("qa", "A", "U", "W", "kw", "lam")) + (pad_state(h0, K, V),)
     o_BHTV, hT_BHKV = grid_call(functools.partial(_fwd_kernel, scale=scale, C=C), args, outs,
                                 ("full", "full", "v", "full", "full", "full", "v", "v", "v"), _block(V, block_v),
-                                interpret, SWEEP_WARPS)
+                                interpret, SWEEP_WARPS, SWEEP_STAGES)
     return o_BHTV[..., :V0], hT_BHKV[:, :, :K0, :V0].astype(h0.dtype)
 
 
@@ -308,7 +309,7 @@ def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C, *, interpret=False, b
     S_BHNKV = grid_call(functools.partial(_states_kernel, C=C),
                         (ops["U"], ops["W"], ops["kw"], ops["lam"], pad_state(h0, K, V)),
                         [vma.out_struct((B, H, N, K, V), f32, q)], ("v", "full", "full", "full", "v", "v"), BV,
-                        interpret, SWEEP_WARPS)[0]
+                        interpret, SWEEP_WARPS, SWEEP_STAGES)[0]
     do_BHNCV = chunks[9]
     ein = lambda spec, a, b: jnp.einsum(spec, a.astype(dt), b.astype(dt), preferred_element_type=f32,
                                         precision=_HI if dt == f32 else None)
@@ -319,7 +320,7 @@ def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C, *, interpret=False, b
         functools.partial(_reverse_kernel, C=C),
         (ops["W"], ops["kw"], ops["lam"], pad_state(Vc_BHNKV, K, V), pad_state(dhT, K, V)),
         [vma.out_struct((B, H, N, K, V), f32, q), vma.out_struct((B, H, K, V), f32, q)],
-        ("full", "full", "full", "v", "v", "v", "v"), BV, interpret, SWEEP_WARPS)
+        ("full", "full", "full", "v", "v", "v", "v"), BV, interpret, SWEEP_WARPS, SWEEP_STAGES)
     S_BHNKV, G_BHNKV = S_BHNKV[..., :K0, :V0], G_BHNKV[..., :K0, :V0]
     dots = _dots(dt)
     grads = chunked.vmap3(lambda *a: chunk.backward(*a[:9], a[10], a[11], a[9], scale, dots, pre=a[12]))

@@ -35,6 +35,7 @@ TGMM_TILES = (64, 128, 128)  # (tm, tq, tp)
 GMM_WARPS, GMM_STAGES = 4, 4
 SWIGLU_WARPS = 8  # two [tm, tp] accumulators
 TGMM_WARPS, TGMM_STAGES = 4, 4
+SMEM_BUDGET = 192 * 1024  # bytes of pipelined operand tiles per program (Hopper: 227 KiB of shared memory)
 
 
 def _fit(tile: int, n: int) -> int:
@@ -82,16 +83,14 @@ def _gmm_kernel(group_ref, tile_ref, lo_ref, hi_ref, *refs, tm, tp, tq, transpos
 
     @pl.when((hi > lo) & (g < G))
     def _():
-        acc_TP = jnp.zeros((tm, tp), jnp.float32)
-        for x_ref, w_ref in zip(pairs[::2], pairs[1::2]):
-            def body(j, acc_TP, x_ref=x_ref, w_ref=w_ref):
-                ks = pl.ds(pl.multiple_of(j * tq, tq), tq)
-                x_TQ = x_ref[rows, ks]
-                if transpose_rhs:
-                    return acc_TP + dot(x_TQ, w_ref[gw, cols, ks], x_ref.dtype, tb=True)
-                return acc_TP + dot(x_TQ, w_ref[gw, ks, cols], x_ref.dtype)
+        def body(j, acc_TP):  # every pair's step j in one loop: one software pipeline, filled once
+            ks = pl.ds(pl.multiple_of(j * tq, tq), tq)
+            for x_ref, w_ref in zip(pairs[::2], pairs[1::2]):
+                w = w_ref[gw, cols, ks] if transpose_rhs else w_ref[gw, ks, cols]
+                acc_TP = acc_TP + dot(x_ref[rows, ks], w, x_ref.dtype, tb=transpose_rhs)
+            return acc_TP
 
-            acc_TP = jax.lax.fori_loop(0, x_ref.shape[1] // tq, body, acc_TP)
+        acc_TP = jax.lax.fori_loop(0, pairs[0].shape[1] // tq, body, jnp.zeros((tm, tp), jnp.float32))
         pltriton.store(y_ref.at[rows, cols], acc_TP.astype(y_ref.dtype), mask=keep_TP)
 
     @pl.when((hi > lo) & (g == G))
@@ -103,23 +102,30 @@ def _params(warps, stages, interpret):
     return None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
+def _stages(want: int, stage_bytes: int) -> int:
+    """The pipeline depth: `want`, or fewer where that many stages of operand tiles would pass SMEM_BUDGET."""
+    return max(1, min(want, SMEM_BUDGET // stage_bytes))
+
+
 def gmm(x_MQ, w, gs_G, *, transpose_rhs: bool = False, interpret: bool = False, more=()):
-    """y [M, P] = per-group x @ w[g] (or w[g]^T) + the same product of each (x_i, w_i) pair in `more` (same M, P
-    and transposition; one kernel, one output); rows past sum(gs_G) are zeros. M a multiple of GMM_TILES[0], Q
-    and P multiples of 16; w in x's dtype."""
+    """y [M, P] = per-group x @ w[g] (or w[g]^T) + the same product of each (x_i, w_i) pair in `more` (same M, Q,
+    P and transposition; one kernel, one output, the pairs' steps interleaved in one loop); rows past sum(gs_G)
+    are zeros. M a multiple of GMM_TILES[0], Q and P multiples of 16; w in x's dtype."""
     M, Q = x_MQ.shape
     G = w.shape[0]
     P = w.shape[1] if transpose_rhs else w.shape[2]
     pairs = [(x_MQ, w), *more]
-    tm, tp, tq = GMM_TILES[0], _fit(GMM_TILES[1], P), GMM_TILES[2]
-    for x, _ in pairs:
-        tq = _fit(tq, x.shape[1])
+    if any(x.shape != (M, Q) or v.shape != w.shape for x, v in pairs):
+        raise ValueError(f"gmm: every pair must have x {(M, Q)} and w {w.shape}, got "
+                         f"{[(x.shape, v.shape) for x, v in pairs]}")
+    tm, tp, tq = GMM_TILES[0], _fit(GMM_TILES[1], P), _fit(GMM_TILES[2], Q)
     meta = visits(gs_G, M, tm)
     kernel = functools.partial(_gmm_kernel, tm=tm, tp=tp, tq=tq, transpose_rhs=transpose_rhs)
+    stage_bytes = len(pairs) * (tm + tp) * tq * x_MQ.dtype.itemsize
     return pl.pallas_call(
         kernel, grid=(P // tp, meta[0].shape[0]), out_shape=jax.ShapeDtypeStruct((M, P), x_MQ.dtype),
         interpret=interpret, name="ling2_gmm_t" if transpose_rhs else "ling2_gmm",
-        compiler_params=_params(GMM_WARPS, GMM_STAGES, interpret),
+        compiler_params=_params(GMM_WARPS, _stages(GMM_STAGES, stage_bytes), interpret),
     )(*meta, *(a for pair in pairs for a in pair))
 
 
@@ -163,7 +169,7 @@ def swiglu_gmm(x_MD, wg, wu, gs_G, *, interpret: bool = False):
     return pl.pallas_call(
         functools.partial(_swiglu_kernel, tm=tm, tp=tp, tq=tq), grid=(F // tp, meta[0].shape[0]),
         out_shape=(out, out, out), interpret=interpret, name="ling2_gmm_swiglu",
-        compiler_params=_params(SWIGLU_WARPS, GMM_STAGES, interpret),
+        compiler_params=_params(SWIGLU_WARPS, _stages(GMM_STAGES, (tm + 2 * tp) * tq * x_MD.dtype.itemsize), interpret),
     )(*meta, x_MD, wg, wu)
 
 
@@ -203,7 +209,8 @@ def tgmm(x_MQ, dy_MP, gs_G, *, interpret: bool = False, more=()):
     dws = pl.pallas_call(
         functools.partial(_tgmm_kernel, tm=tm, tq=tq, tp=tp), grid=(P // tp, Q // tq, G),
         out_shape=(out,) * len(dys), interpret=interpret, name="ling2_tgmm",
-        compiler_params=_params(TGMM_WARPS, TGMM_STAGES, interpret),
+        compiler_params=_params(TGMM_WARPS, _stages(TGMM_STAGES, (tq + len(dys) * tp) * tm * x_MQ.dtype.itemsize),
+                                interpret),
     )(end - gs_G.astype(jnp.int32), end, x_MQ, *dys)
     return dws if more else dws[0]
 

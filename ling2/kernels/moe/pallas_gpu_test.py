@@ -122,14 +122,18 @@ def test_grouped_swiglu_against_numpy_and_ragged_dot_gradients(M, D, F, sizes):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-3, err_msg=name)
 
 
-def test_gmm_sums_several_pairs_in_one_kernel():
+def test_gmm_sums_several_pairs_in_one_kernel(monkeypatch):
     """gmm(x0, w0, more=((x1, w1),)) = x0 @ w0[g] + x1 @ w1[g] per group, transposed weights as the dx kernel
-    uses them."""
+    uses them; the pairs' steps share one loop (two steps of 16 here), so their shapes must match."""
+    monkeypatch.setattr(pallas_gpu, "GMM_TILES", (128, 128, 16))
     r = np.random.default_rng(6)
     gs = np.asarray([50, 0, 120, 86], np.int32)
-    x0, x1 = r.standard_normal((256, 32)).astype(np.float32), r.standard_normal((256, 16)).astype(np.float32)
-    w0, w1 = r.standard_normal((4, 48, 32)).astype(np.float32), r.standard_normal((4, 48, 16)).astype(np.float32)
+    x0, x1 = (r.standard_normal((256, 32)).astype(np.float32) for _ in range(2))
+    w0, w1 = (r.standard_normal((4, 48, 32)).astype(np.float32) for _ in range(2))
     y = pallas_gpu.gmm(jnp.asarray(x0), jnp.asarray(w0), jnp.asarray(gs), transpose_rhs=True, interpret=True,
                        more=((jnp.asarray(x1), jnp.asarray(w1)),))
     want = _numpy_gmm(x0, w0, gs, True) + _numpy_gmm(x1, w1, gs, True)
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match=r"every pair must have x \(256, 32\)"):
+        pallas_gpu.gmm(jnp.asarray(x0), jnp.asarray(w0), jnp.asarray(gs), transpose_rhs=True, interpret=True,
+                       more=((jnp.asarray(x1[:, :16]), jnp.asarray(w1[..., :16])),))

@@ -113,19 +113,31 @@ def _kda_prologue_runner(x):
     return _jax_runner(f, [jnp.asarray(x[n], jnp.bfloat16) for n in "qkv"] + [jnp.asarray(x["g"]), jnp.asarray(x["beta"])])
 
 
-def _with_block_v(op, bv, make):
-    """make() with the Pallas GPU kernels' state columns per program set to bv while it traces."""
+def _module(op):
     from ling2.kernels.gla import pallas_gpu as gla_pallas_gpu
     from ling2.kernels.kda import pallas_gpu as kda_pallas_gpu
 
-    mod = {"gla": gla_pallas_gpu, "kda": kda_pallas_gpu}[op]
+    return {"gla": gla_pallas_gpu, "kda": kda_pallas_gpu}[op]
+
+
+def _knob(op, name):
+    return getattr(_module(op), name)
+
+
+def _with_knobs(op, make, **knobs):
+    """make() with module constants of the op's Pallas GPU kernels (BLOCK_V, STATE_DTYPE, SWEEP_STAGES, ...) set
+    while it traces: a variant to time beside the default."""
+    mod = _module(op)
 
     def wrapped():
-        old, mod.BLOCK_V = mod.BLOCK_V, bv
+        old = {k: getattr(mod, k) for k in knobs}
+        for k, v in knobs.items():
+            setattr(mod, k, v)
         try:
             return make()
         finally:
-            mod.BLOCK_V = old
+            for k, v in old.items():
+                setattr(mod, k, v)
 
     return wrapped
 
@@ -146,11 +158,16 @@ def kernels(args, save):
     for T in args.ts:
         x = _inputs(args.op, B, T, H, D)
         for mode in args.modes:
-            makers = {"pallas_gpu": lambda: _ling2_runner(args.op, "pallas_gpu", mode, x),
-                      "pallas_gpu_bv32": _with_block_v(args.op, 32, lambda: _ling2_runner(args.op, "pallas_gpu", mode, x)),
+            pallas = lambda: _ling2_runner(args.op, "pallas_gpu", mode, x)
+            makers = {"pallas_gpu": pallas,
+                      "pallas_gpu_bv32": _with_knobs(args.op, pallas, BLOCK_V=32),
                       "chunked": lambda: _ling2_runner(args.op, "chunked", mode, x),
                       "cudnn_attention": lambda: _cudnn_runner(mode, x),
                       fla_name: lambda: fla_reference.chunk_op_runner(args.op, mode, x)}
+            for stages in sorted({1, 2, 3, 4} - {_knob(args.op, "SWEEP_STAGES")}):  # the sweeps' pipeline depth
+                makers[f"pallas_gpu_sweep{stages}"] = _with_knobs(args.op, pallas, SWEEP_STAGES=stages)
+            if args.op == "gla":  # the stored chunk states in fp32 (the earlier default)
+                makers["pallas_gpu_f32states"] = _with_knobs(args.op, pallas, STATE_DTYPE=jnp.float32)
             if args.op == "kda":  # Ling 3's gates are bounded (-5, 0): fla's safe-gate path applies
                 makers[fla_name + "_safe_gate"] = lambda: fla_reference.chunk_op_runner(args.op, mode, x, safe_gate=True,
                                                                                       lower_bound=-5.0)

@@ -1,8 +1,8 @@
 #!/bin/bash
 # Issue 36's measurements on one lent GPU in one device-tool call ($OUT comes back):
 #   run(command="bash tools/bench/gpu/device_run.sh", carry=[".whl", ".base"], timeout_s=570)
-# .whl: the pure-Python packages the image lacks (pydantic, grain, fla-core and their missing dependencies;
-# NOTES.md). .base: `git archive` of the commit to compare against (baseline rows run from it), optional.
+# .whl: the packages the image lacks (pydantic, grain, fla-core and their missing dependencies), fetched here by
+# tools/bench/gpu/fetch_wheels.sh. .base: `git archive` of the commit to compare against (baseline rows run from it), optional.
 # LING2_FROM_BASE: paths the new rows take from .base (work in progress left out of a run).
 # Phases (PHASES, run in the order given; default below): test (device correctness tests, beside the warm
 # compiles), warm (every step's compile, side by side, into JAX's persistent cache), step (timed steps + traces),
@@ -21,6 +21,7 @@ stamp start; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:. JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache XLA_PYTHON_CLIENT_PREALLOCATE=false
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 PYTHONUNBUFFERED=1
+export TRITON_CACHE_AUTOTUNING=1  # Triton >= 3.3 keeps autotuning picks on disk: fla tunes in warm, not in kernels
 python3 -c "import jax, flax, torch, triton, fla; print('jax', jax.__version__, 'flax', flax.__version__, 'torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, jax.devices())" | tee $R/versions.txt
 NEW=$PWD
 if [ -n "${LING2_FROM_BASE:-}" ] && [ -d .base ]; then
@@ -55,11 +56,16 @@ phase_warm() {
   for s in $STEP_NEW; do
     stepb new "$s" ${WARM_FRAC:-0.1} ${WARM_S:-200} --compile_only --out /tmp/compile_new_${s//[:=]/_}.json > /tmp/compile_new_${s//[:=]/_}.log 2>&1 & PIDS="$PIDS $!"
   done
+  if [[ ",$PHASES," == *,kernels,* ]]; then for op in gla kda; do  # fla's autotuning, before its timed phase
+    new env XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 timeout ${WARM_S:-200} python3 -m tools.bench.gpu.bench kernels --op $op \
+      --impls ${KERNEL_WARM_IMPLS:-fla_chunk_simple_gla,fla_chunk_kda} --ts ${KERNEL_TS:-4096,16384,32768} --warm \
+      --out /tmp/warm_$op.json > /tmp/warm_kernels_$op.log 2>&1 & PIDS="$PIDS $!"
+  done; fi
   if [ -d .base ]; then for s in $STEP_BASE; do
     stepb base "$s" ${WARM_FRAC:-0.1} ${WARM_S:-200} --compile_only --out /tmp/compile_base_${s//[:=]/_}.json > /tmp/compile_base_${s//[:=]/_}.log 2>&1 & PIDS="$PIDS $!"
   done; fi
   wait $PIDS $TEST_PID; TEST_PID=""
-  tail -n 2 /tmp/compile_*.log; cp /tmp/compile_*.log $R/ 2>/dev/null; pack
+  tail -n 2 /tmp/compile_*.log /tmp/warm_kernels_*.log 2>/dev/null; cp /tmp/compile_*.log /tmp/warm_kernels_*.log $R/ 2>/dev/null; pack
 }
 phase_step() {
   stamp "phase step"
