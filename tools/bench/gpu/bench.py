@@ -171,6 +171,7 @@ def kernels(args, save):
             if args.op == "kda":  # Ling 3's gates are bounded (-5, 0): fla's safe-gate path applies
                 makers[fla_name + "_safe_gate"] = lambda: fla_reference.chunk_op_runner(args.op, mode, x, safe_gate=True,
                                                                                       lower_bound=-5.0)
+                makers["pallas_gpu_prologue3"] = _with_knobs(args.op, pallas, PROLOGUE_STAGES=3)  # its key loops pipelined
                 if mode == "fwd":
                     makers["pallas_gpu_prologue_only"] = lambda: _kda_prologue_runner(x)
             for impl, make in makers.items():
