@@ -1,8 +1,9 @@
 """The Pallas GPU (Triton) KDA kernels through the real XLA:GPU compiler, for an H100 with no GPU
 attached (cuda venv; any host): JAX's CUDA plugin compiles for a described target
-(`topology.devices("h100-1")`). Forward+backward must call seven Triton kernels (the two prologue
+(`topology.devices("h100-1")`). Forward+backward must call nine Triton kernels (the two prologue
 kernels, pairs and solve, in the forward and again in the backward; forward sweep, state sweep,
-reverse sweep). Each compile takes about a minute of CPU (Triton), so the cases are few.
+reverse sweep; the gradients' value-side and key-side kernels). Each compile takes about a minute of CPU
+(Triton), so the cases are few.
 """
 
 import jax
@@ -30,5 +31,7 @@ def test_triton_kernels_compile_for_h100(D, dtype):
         return jnp.sum(o * jnp.cos(o))
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*_args(D, dtype)).compile()
-    assert compiled.as_text().count(TRITON) == 7
+    text = compiled.as_text()
+    assert text.count(TRITON) == 9
+    assert 'name = "ling2_kda_vgrad"' in text and 'name = "ling2_kda_kgrad"' in text
     assert compiled.memory_analysis().temp_size_in_bytes > 0

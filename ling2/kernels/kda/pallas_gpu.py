@@ -15,7 +15,7 @@ any gate).
       T_sr = -T_ss sum_{m=r}^{s-1} (diag(beta) Akk0)_sm T_mr,
     then W = T (beta k alpha), U = T diag(beta) v and lam.
 They write the sweep operands in the sweeps' layout (and, for the backward, alpha, omega, Akk0
-and T, which chunk_math.backward reads). Split this way (row blocks, key blocks, a separate solve)
+and T, which the gradients read). Split this way (row blocks, key blocks, a separate solve)
 each program's live tiles fit in registers: one program per chunk doing it all spilled (NOTES.md).
 Sweeps: a few matmuls per chunk, sequential over chunks, on grid (B, H, V / BLOCK_V), each
 program looping over the N chunks with its fp32 slice of the state (K x BLOCK_V) in registers:
@@ -23,7 +23,13 @@ program looping over the N chunks with its fp32 slice of the state (K x BLOCK_V)
            (o and the final state; for the backward, the state entering every chunk instead).
   reverse: G <- lam G - W^T ((k omega) G) + Vc, with G = dL/d(state leaving the chunk) and
            Vc = scale (q alpha)^T do - W^T (Aqk^T do) batched beforehand (G of every chunk, d h0).
-The backward's per-chunk gradients given the states (chunk_math.backward) run as batched XLA.
+Gradients, given every chunk's entering state S and dL/d(leaving state) G (chunk_math.backward's math), as
+two kernels over all chunks at once:
+  value side, grid (B, H, N), over V blocks in turn: delta = U - W S, dr = T^T (Aqk^T do + kw G), dv = beta dr,
+    and the [C, C] cotangents dAqk = mask(do delta^T), dAkk0 = -mask(dr delta^T) (x beta) and dbeta;
+  key side, grid (K / GRAD_BLOCK_K, N, B, H): per key block, dq, dk and dg from those, by the same levels as the
+    prologue (each key column's gradients need only its own column of q, k and g).
+(GRAD_KERNELS off: chunk_math.backward vmapped, as batched XLA.)
 Precision as the other backends' bf16 path (chunk_math.Dots with TF32 for the decay products
 and the solve, full fp32 for gate sums): data matmuls take operands in the input dtype, the state
 and accumulation are fp32.
@@ -51,6 +57,10 @@ _HI = jax.lax.Precision.HIGHEST
 BLOCK_V = 64  # state columns per sweep program
 SWEEP_WARPS = 4
 SWEEP_STAGES = 3  # the sweeps' loads of chunk n + 2 in flight during chunk n (tools/bench/kda/NOTES.md)
+GRAD_KERNELS = True  # the backward's per-chunk gradients as two kernels (else chunk_math.backward, batched XLA)
+GRAD_BLOCK_V = 32  # value columns per step of the V-side gradient kernel
+GRAD_BLOCK_K = 32  # key columns per program of the K-side gradient kernel
+VGRAD_WARPS, KGRAD_WARPS, GRAD_STAGES = 4, 8, 2  # ptxas (sm_90a): 255 registers, no / 96 bytes of spills
 SUB = 16  # tokens per sub-chunk of the prologue (row blocks of the pair kernel, diagonal blocks of the solve)
 BLOCK_K = 32  # key dims per step of the pairs kernel's products (its matmul operands stay in registers)
 PAIRS_WARPS = 4
@@ -250,6 +260,117 @@ def _reverse_kernel(W_ref, kw_ref, lam_ref, Vc_ref, dhT_ref, G_ref, dh0_ref, *, 
     dh0_ref[...] = jax.lax.fori_loop(0, N, body, dhT_ref[...])
 
 
+def _vgrad_kernel(W_ref, kw_ref, ka_ref, A_ref, T_ref, Akk_ref, U_ref, v_ref, do_ref, S_ref, G_ref, beta_ref, doc_ref,
+                  dAqk_ref, dAkk_ref, dbeta_ref, delta_ref, dv_ref, *, scale, BV):
+    """chunk_math.backward's value side for one chunk, over its V blocks in turn: W, kw (k omega), ka (k alpha)
+    [C, K], Aqk, T [C, C] in q's dtype, Akk0 [C, C], U [C, V], v, do [C, V], S (the state entering the chunk) and G
+    (dL/d the state leaving it) [K, V], beta, doc [C] in; dL/dAqk and dL/d(Akk0) (times beta) [C, C], dbeta [C],
+    delta [C, V] (q's dtype: the K side's matmuls take it so) and dv [C, V] out."""
+    dots = _dots(W_ref.dtype)
+    acc = dots.acc
+    C, V = U_ref.shape
+    i_CC = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    j_CC = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    beta_C1 = beta_ref[...].astype(acc)[:, None]
+    doc_C = doc_ref[...]
+    same_CC = doc_C[:, None] == doc_C[None, :]
+    W_CK, kw_CK, ka_CK, A_CC, T_CC = W_ref[...], kw_ref[...], ka_ref[...], A_ref[...], T_ref[...]
+
+    def body(j, carry):
+        dA_CC, dK_CC, db_C1 = carry
+        vs = pl.ds(pl.multiple_of(j * BV, BV), BV)
+        S_KV, G_KV, do_CV = S_ref[:, vs], G_ref[:, vs], do_ref[:, vs]
+        delta_CV = U_ref[:, vs] - dots.data(W_CK, S_KV)
+        dr_CV = dots.data(T_CC, dots.data(A_CC, do_CV, ta=True) + dots.data(kw_CK, G_KV), ta=True)
+        rv_CV = v_ref[:, vs].astype(acc) - dots.data(ka_CK, S_KV)
+        delta_ref[:, vs] = delta_CV.astype(delta_ref.dtype)
+        dv_ref[:, vs] = (beta_C1 * dr_CV).astype(dv_ref.dtype)
+        return (dA_CC + dots.data(do_CV, delta_CV, tb=True), dK_CC - dots.data(dr_CV, delta_CV, tb=True),
+                db_C1 + jnp.sum(dr_CV * rv_CV, axis=1, keepdims=True))
+
+    zero_CC = beta_C1 * dots.mask(i_CC < 0)
+    dA_CC, dK_CC, db_C1 = jax.lax.fori_loop(0, V // BV, body, (zero_CC, zero_CC, beta_C1 * 0.0))
+    dK_CC = jnp.where((i_CC > j_CC) & same_CC, dK_CC, 0.0)
+    dAqk_ref[...] = jnp.where((i_CC >= j_CC) & same_CC, scale * dA_CC, 0.0).astype(dAqk_ref.dtype)
+    dAkk_ref[...] = (beta_C1 * dK_CC).astype(dAkk_ref.dtype)
+    dbeta_ref[...] = jnp.sum(db_C1 + jnp.sum(dK_CC * Akk_ref[...], axis=1, keepdims=True), axis=1)
+
+
+def _kgrad_kernel(q_ref, k_ref, g_ref, alpha_ref, omega_ref, do_ref, delta_ref, dv_ref, S_ref, G_ref, lam_ref,
+                  dAqk_ref, dAkk_ref, dq_ref, dk_ref, dg_ref, *, scale):
+    """chunk_math.backward's key side for one chunk and one block of key columns: q, k, g, alpha, omega [C, BK];
+    do, delta, dv [C, V]; S, G [BK, V] (this block's rows); lam [BK]; the value side's dL/dAqk and dL/dAkk [C, C]
+    in; dq, dk, dg [C, BK] out. Each key column's gradients need only its own column of q, k and g."""
+    dots = _dots(q_ref.dtype)
+    acc = dots.acc
+    C = q_ref.shape[0]
+    q_CK, k_CK, g_CK = q_ref[...].astype(acc), k_ref[...].astype(acc), g_ref[...].astype(acc)
+    alpha_CK, omega_CK = alpha_ref[...], omega_ref[...]
+    S_KV, G_KV = S_ref[...], G_ref[...]
+    dqa_CK = scale * dots.data(do_ref[...], S_KV, tb=True)
+    dkw_CK = dots.data(delta_ref[...], G_KV, tb=True)
+    dka_CK = -dots.data(dv_ref[...], S_KV, tb=True)
+    t_CC = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    u_CC = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    diag_C1 = jnp.sum(jnp.where(t_CC == u_CC, dAqk_ref[...], 0.0), axis=1, keepdims=True)
+    kw_CK = k_CK * omega_CK
+    dq_CK = diag_C1 * k_CK + alpha_CK * dqa_CK
+    dk_CK = diag_C1 * q_CK + alpha_CK * dka_CK + omega_CK * dkw_CK
+    db_CK = q_CK * alpha_CK * dqa_CK + k_CK * alpha_CK * dka_CK - kw_CK * dkw_CK
+
+    def level(l, carry):  # as chunk_math.backward's levels (dAqk, dAkk read in each: 96 bytes of spills, not 112)
+        dq_CK, dk_CK, db_CK = carry
+        e_CK = chunk.level_exp(g_CK, l, dots)
+        qe_CK, ke_CK = q_CK * e_CK, k_CK * e_CK
+        m_CC = chunk.level_mask(C, l)
+        Dq_CC, Dk_CC = jnp.where(m_CC, dAqk_ref[...], 0.0), jnp.where(m_CC, dAkk_ref[...], 0.0)
+        dq_l_CK = e_CK * dots.mid(Dq_CC, ke_CK)
+        dk_row_CK = e_CK * dots.mid(Dk_CC, ke_CK)
+        dk_col_CK = e_CK * (dots.mid(Dq_CC, qe_CK, ta=True) + dots.mid(Dk_CC, ke_CK, ta=True))
+        return (dq_CK + dq_l_CK, dk_CK + dk_row_CK + dk_col_CK,
+                db_CK + q_CK * dq_l_CK + k_CK * dk_row_CK - k_CK * dk_col_CK)
+
+    dq_CK, dk_CK, db_CK = jax.lax.fori_loop(0, len(chunk.levels(C)), level, (dq_CK, dk_CK, db_CK))
+    # dg_t = sum_{i >= t} db_i; the last token's db also gets sum_c kw_c dkw_c and sum_v lam S G.
+    tail_1K = (jnp.sum(kw_CK * dkw_CK, axis=0) + jnp.sum(lam_ref[...][:, None] * S_KV * G_KV, axis=1))[None, :]
+    dq_ref[...] = dq_CK.astype(dq_ref.dtype)
+    dk_ref[...] = dk_CK.astype(dk_ref.dtype)
+    dg_ref[...] = (dots.exact(dots.mask(u_CC >= t_CC), db_CK) + tail_1K).astype(dg_ref.dtype)
+
+
+def _grads(q, k, g, v, do, beta, aux, ops, S_BHNKV, G_BHNKV, scale, C, interpret):
+    """Every chunk's dq, dk, dg [B, H, T, K], dv [B, H, T, V] and dbeta [B, H, T] (fp32) from the padded inputs, the
+    prologue's operands and the two sweeps' states, by the value-side then the key-side kernel."""
+    B, H, T, K = q.shape
+    V, N, dt, f32 = v.shape[-1], T // C, q.dtype, jnp.float32
+    BV, BK = min(V, GRAD_BLOCK_V), min(K, GRAD_BLOCK_K)
+    params = lambda warps: None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=GRAD_STAGES)
+    tok = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
+    vec = lambda head: pl.BlockSpec((None, None, C), lambda b, h, n: (b, h if head else 0, n))
+    state = pl.BlockSpec((None, None, None, K, V), lambda b, h, n: (b, h, n, 0, 0))
+    out = lambda D, d: vma.out_struct((B, H, T, D), d, q)
+    ka = (k.astype(f32) * ops["alpha"]).astype(dt)
+    dAqk, dAkk, dbeta, delta, dv = pl.pallas_call(
+        functools.partial(_vgrad_kernel, scale=scale, BV=BV), grid=(B, H, N),
+        in_specs=[tok(K)] * 3 + [tok(C)] * 3 + [tok(V)] * 3 + [state] * 2 + [vec(True), vec(False)],
+        out_specs=[tok(C), tok(C), vec(True), tok(V), tok(V)],
+        out_shape=[out(C, f32), out(C, f32), vma.out_struct((B, H, T), f32, q), out(V, dt), out(V, f32)],
+        interpret=interpret, compiler_params=params(VGRAD_WARPS), name="ling2_kda_vgrad",
+    )(ops["W"], ops["kw"], ka, ops["A"], ops["T"], ops["Akk0"], ops["U"], v, do, S_BHNKV, G_BHNKV, beta,
+      aux["doc"].astype(jnp.int32))
+    kblk = lambda D: pl.BlockSpec((None, None, C, D), lambda x, n, b, h: (b, h, n, x))
+    ktok = lambda D: pl.BlockSpec((None, None, C, D), lambda x, n, b, h: (b, h, n, 0))
+    kstate = pl.BlockSpec((None, None, None, BK, V), lambda x, n, b, h: (b, h, n, x, 0))
+    dq, dk, dg = pl.pallas_call(
+        functools.partial(_kgrad_kernel, scale=scale), grid=(K // BK, N, B, H),
+        in_specs=[kblk(BK)] * 5 + [ktok(V)] * 3 + [kstate] * 2
+        + [pl.BlockSpec((None, None, None, BK), lambda x, n, b, h: (b, h, n, x))] + [ktok(C)] * 2,
+        out_specs=[kblk(BK)] * 3, out_shape=[out(K, f32)] * 3,
+        interpret=interpret, compiler_params=params(KGRAD_WARPS), name="ling2_kda_kgrad",
+    )(q, k, g, ops["alpha"], ops["omega"], do, delta, dv, S_BHNKV, G_BHNKV, ops["lam"], dAqk, dAkk)
+    return dq, dk, dv, dg, dbeta
+
+
 def _check(C):
     if C < SUB or C & (C - 1):
         raise ValueError(f"pallas_gpu: chunk_size={C} must be a power of two >= {SUB} (Triton block shapes)")
@@ -274,6 +395,7 @@ def _sweep_inputs(q, k, v, g, beta, aux, scale, C, *extra, interpret=False):
     if full:
         ch = lambda x_BHTD, D: x_BHTD.reshape(B, H, N, C, x_BHTD.shape[-1])[..., :D]
         alpha, omega, Akk0, T_inv = outs[6:]
+        ops.update(alpha=alpha, omega=omega, Akk0=Akk0, T=T_inv)
         p = dict(same=chunks[5] == chunks[6], Aqk=ch(ops["A"], C), Akk0=ch(Akk0, C), T=ch(T_inv, C),
                  alpha=ch(alpha, K0), omega=ch(omega, K0), U=ch(ops["U"], V0), W=ch(ops["W"], K0),
                  lam=jnp.broadcast_to(ops["lam"][..., :K0, None], (B, H, N, K0, V0)))
@@ -299,7 +421,8 @@ def forward(q, k, v, g, beta, aux, h0, scale, C, *, interpret=False, block_v=Non
 
 def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C, *, interpret=False, block_v=None):
     """The prologue kernels, the states entering every chunk (forward sweep), dL/d(state leaving every chunk)
-    (reverse sweep), then every chunk's gradients at once."""
+    (reverse sweep), then every chunk's gradients at once: two kernels (GRAD_KERNELS), else chunk_math.backward
+    as batched XLA."""
     _check(C)
     B, H, T, K0 = q.shape
     V0, N = v.shape[-1], T // C
@@ -321,6 +444,11 @@ def backward(q, k, v, g, beta, aux, h0, do, dhT, scale, C, *, interpret=False, b
         (ops["W"], ops["kw"], ops["lam"], pad_state(Vc_BHNKV, K, V), pad_state(dhT, K, V)),
         [vma.out_struct((B, H, N, K, V), f32, q), vma.out_struct((B, H, K, V), f32, q)],
         ("full", "full", "full", "v", "v", "v", "v"), BV, interpret, SWEEP_WARPS, SWEEP_STAGES)
+    if GRAD_KERNELS:
+        pk, pv = (lambda x: pad_last(x, K)), (lambda x: pad_last(x, V))
+        dq, dk, dv, dg, dbeta = _grads(pk(q), pk(k), pk(g), pv(v), pv(do), beta, aux, ops, S_BHNKV, G_BHNKV, scale, C,
+                                       interpret)
+        return dq[..., :K0], dk[..., :K0], dv[..., :V0], dg[..., :K0], dbeta, dh0_BHKV[:, :, :K0, :V0]
     S_BHNKV, G_BHNKV = S_BHNKV[..., :K0, :V0], G_BHNKV[..., :K0, :V0]
     dots = _dots(dt)
     grads = chunked.vmap3(lambda *a: chunk.backward(*a[:9], a[10], a[11], a[9], scale, dots, pre=a[12]))

@@ -88,6 +88,23 @@ def test_pallas_gpu_split_over_v_and_key_blocks(monkeypatch):
     _check(_value_and_grads(*args, seg, "pallas_gpu", 16), _value_and_grads(*args, seg, "naive", 16), 2e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_gpu_gradient_kernels_match_chunk_math(monkeypatch, dtype):
+    """The backward's two gradient kernels, over several V blocks and key blocks, against chunk_math.backward batched
+    by XLA on the same prologue and states (GRAD_KERNELS off): the same math, so fp32 agrees to rounding and bf16
+    (the same bf16 operands into every matmul) to float32 rounding of the sums."""
+    monkeypatch.setattr(kda_pallas_gpu, "GRAD_BLOCK_V", 16)
+    monkeypatch.setattr(kda_pallas_gpu, "GRAD_BLOCK_K", 16)
+    args = _inputs(50, 24, 40, dtype, seed=3)  # K pads to 32: two key blocks; V to 64: four V blocks
+    seg = jnp.asarray([[0] * 10 + [1] * 25 + [2] * 15])
+    got = _value_and_grads(*args, seg, "pallas_gpu", 16)
+    monkeypatch.setattr(kda_pallas_gpu, "GRAD_KERNELS", False)
+    _value_and_grads.clear_cache()
+    want = _value_and_grads(*args, seg, "pallas_gpu", 16)
+    _value_and_grads.clear_cache()
+    _check(got, want, 1e-5)
+
+
 def test_pallas_gpu_rejects_non_power_of_two_chunk():
     x = jnp.zeros((1, 8, 1, 16))
     with pytest.raises(ValueError, match="power of two"):
@@ -113,4 +130,5 @@ def test_kernels_lower_for_real_hardware(backend, platform, marker, T, D, dtype)
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
     text = grad.trace(*args).lower(lowering_platforms=(platform,)).as_text()
     # forward, state sweep, reverse sweep; on Triton also the two prologue kernels in the forward and the backward
-    assert text.count(marker) == (7 if platform == "cuda" else 3)
+    # and the backward's two gradient kernels
+    assert text.count(marker) == (9 if platform == "cuda" else 3)

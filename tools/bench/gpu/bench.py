@@ -172,6 +172,7 @@ def kernels(args, save):
                 makers[fla_name + "_safe_gate"] = lambda: fla_reference.chunk_op_runner(args.op, mode, x, safe_gate=True,
                                                                                       lower_bound=-5.0)
                 makers["pallas_gpu_prologue3"] = _with_knobs(args.op, pallas, PROLOGUE_STAGES=3)  # its key loops pipelined
+                makers["pallas_gpu_xla_grads"] = _with_knobs(args.op, pallas, GRAD_KERNELS=False)  # the gradients batched
                 if mode == "fwd":
                     makers["pallas_gpu_prologue_only"] = lambda: _kda_prologue_runner(x)
             for impl, make in makers.items():
