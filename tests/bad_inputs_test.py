@@ -8,6 +8,7 @@ status the binary exits with), and once each as a binary.
 import json
 import os
 import re
+import struct
 import subprocess
 from pathlib import Path
 
@@ -48,6 +49,25 @@ def truncate_largest(directory: Path) -> Path:
     f = max(directory.glob("*.safetensors"), key=lambda p: p.stat().st_size)
     f.write_bytes(f.read_bytes()[:-1000])
     return f
+
+
+def overlap_two(directory: Path) -> None:
+    """Points a tensor of a shard at the bytes of another of the same size: a header two tensors read alike."""
+    for f in sorted(directory.glob("*.safetensors")):
+        raw = f.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + n])
+        seen = {}
+        for name, h in header.items():
+            size = h["data_offsets"][1] - h["data_offsets"][0] if name != "__metadata__" else 0
+            if size and size in seen:
+                h["data_offsets"] = list(header[seen[size]]["data_offsets"])
+                text = json.dumps(header).encode()
+                text += b" " * (-len(text) % 8)
+                f.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+                return
+            seen[size] = name
+    raise AssertionError("no two tensors of one size in a shard")
 
 
 def _trainer_cases(tmp: Path):
@@ -165,6 +185,7 @@ def _hf_cases(tmp: Path):
         ("mis-shaped tensor", tensors(lambda t: {**t, first_layer: t[first_layer][:3]}),
          rf"mis-shaped: {re.escape(first_layer)} checkpoint \(3, 64\)"),
         ("truncated shard", files(truncate_largest), r"\.safetensors: tensor .* is cut short"),
+        ("overlapping tensors", files(overlap_two), r"\.safetensors: tensors \S+ and \S+ overlap: bytes \[\d+, \d+\)"),
         ("malformed header", files(lambda d: sorted(d.glob("*.safetensors"))[0].write_bytes(b"\x10" + b"\0" * 7 + b"{x")),
          r"malformed safetensors header"),
         ("index names a missing shard", files(lambda d: sorted(d.glob("*.safetensors"))[0].unlink()),

@@ -11,6 +11,11 @@ Megatron uses NLTK punkt, which is not a Ling2 dependency). --append-eod adds th
 to the last sequence of a non-empty document. Empty sentences are dropped. Input streams
 line by line (`.gz` too) in blocks, so memory is bounded by two blocks plus the index
 arrays. The progress bar shows tokens/s.
+
+Outputs are written to temporary files beside the targets and renamed into place only on
+success, so a failed run leaves an existing dataset at the prefix untouched. Bad input (a
+missing or malformed file, line or flag; an input with no tokens) is one `error:` line on
+stderr naming the file and line, and exit status 2.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import os
 import re
 import sys
 import time
+import zlib
 from typing import Iterator, Optional
 
 import numpy as np
@@ -30,11 +36,14 @@ import tqdm
 from tokenizers import Tokenizer
 
 from ling2.data import indexed
+from ling2.data.errors import DataError
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
 _ABBREV = re.compile(r"(?:\b(?:Mr|Mrs|Ms|Dr|St|Sr|Jr|Prof|Rev|Capt|Col|Gen|Lt|Mt|vs|etc|"
                      r"e\.g|i\.e)|\b[A-Z])\.$")
 _EOD_NAMES = ("<eod>", "<|endoftext|>", "</s>", "<eos>", "[EOS]")
+_JSON_TYPES = {dict: "an object", list: "an array", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
 
 
 def split_sentences(text: str) -> list[str]:
@@ -59,7 +68,12 @@ def find_eod_id(tok: Tokenizer) -> Optional[int]:
 
 
 class Encoder:
-    """Per-process tokenizer; encodes one JSON line into ({key: ids}, {key: lengths})."""
+    """Per-process tokenizer; encodes one JSON line into ({key: ids}, {key: lengths}, bytes).
+
+    A bad line comes back as (None, message, bytes) rather than raising, so that the parent
+    names its line number also when the encoding ran in a worker; a blank line (no document)
+    as (None, None, bytes).
+    """
 
     def __init__(self, args):
         self.args = args
@@ -69,18 +83,34 @@ class Encoder:
         Encoder.tokenizer = Tokenizer.from_file(self.args.tokenizer)
 
     def encode(self, line: str):
+        if not line.strip():
+            return None, None, len(line)
         try:
             data = json.loads(line)
         except json.JSONDecodeError as e:
             return None, str(e), len(line)
+        if not isinstance(data, dict):
+            return None, f"expected a JSON object, got {_JSON_TYPES[type(data)]}", len(line)
         ids, lens = {}, {}
         for key in self.args.json_keys:
             if key not in data:
                 return None, f"missing key {key!r}", len(line)
             text = data[key]
+            if not isinstance(text, str):
+                what = _JSON_TYPES[type(text)]
+                return None, f"key {key!r}: expected a string, got {what}", len(line)
             parts = split_sentences(text) if self.args.split_sentences else [text]
+            try:
+                encodings = Encoder.tokenizer.encode_batch(parts, add_special_tokens=False)
+            except TypeError:
+                try:  # tokenizers rejects lone surrogates (valid JSON escapes) with a TypeError
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    return None, (f"key {key!r}: unpaired surrogate at character {e.start} "
+                                  "(not valid Unicode)"), len(line)
+                raise
             doc, sl = [], []
-            for enc in Encoder.tokenizer.encode_batch(parts, add_special_tokens=False):
+            for enc in encodings:
                 if enc.ids:
                     doc.extend(enc.ids)
                     sl.append(len(enc.ids))
@@ -92,11 +122,23 @@ class Encoder:
 
 
 def _lines(path: str) -> Iterator[str]:
+    """Every line (blank ones too, so that results count file lines), decoded one at a time so
+    that a bad byte is named by its line."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield line
+    try:
+        f = opener(path, "rb")
+    except OSError as e:
+        raise DataError(f"{path}: cannot open: {e.strerror or e}") from None
+    n = 0
+    try:
+        with f:
+            for n, raw in enumerate(f, 1):
+                yield raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: line {n}: not UTF-8: byte offset {e.start} in the line is "
+                        f"{raw[e.start:e.start + 1]!r}") from None
+    except (EOFError, OSError, zlib.error) as e:  # a truncated or corrupt .gz
+        raise DataError(f"{path}: unreadable after line {n}: {e}") from None
 
 
 def _encoded(lines: Iterator[str], encoder: "Encoder", pool, block: int = 4096):
@@ -122,21 +164,68 @@ def output_prefix(prefix: str, key: str, split_sentences: bool) -> str:
     return f"{prefix}_{key}_{'sentence' if split_sentences else 'document'}"
 
 
+def _load_tokenizer(path: str) -> Tokenizer:
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such tokenizer file")
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises plain Exception for unreadable or bad JSON
+        raise DataError(f"{path}: not a tokenizers tokenizer.json: {e}") from None
+
+
+def _tmp(path: str) -> str:
+    return f"{path}.{os.getpid()}.tmp"
+
+
 def run(args) -> dict:
-    """Tokenizes `args.input`; returns {key: output prefix}."""
+    """Tokenizes `args.input`; returns {key: output prefix}. Bad input raises DataError."""
     if not os.path.isfile(args.input):
-        raise FileNotFoundError(f"{args.input}: no such input file")
-    tok = Tokenizer.from_file(args.tokenizer)
+        raise DataError(f"{args.input}: no such input file")
+    tok = _load_tokenizer(args.tokenizer)
+    vocab = tok.get_vocab_size()
     if args.eod_id is None:
         args.eod_id = find_eod_id(tok)
+    elif not 0 <= args.eod_id < vocab:
+        raise DataError(f"--eod-id {args.eod_id}: outside the vocabulary [0, {vocab}) of "
+                        f"{args.tokenizer}")
     if args.append_eod and args.eod_id is None:
-        raise ValueError(f"{args.tokenizer}: no EOD token ({', '.join(_EOD_NAMES)}); "
-                         "pass --eod-id")
-    dtype = indexed.optimal_dtype(tok.get_vocab_size())
+        raise DataError(f"{args.tokenizer}: no EOD token ({', '.join(_EOD_NAMES)}); "
+                        "pass --eod-id")
+    out_dir = os.path.dirname(args.output_prefix) or "."
+    if not os.path.isdir(out_dir):
+        raise DataError(f"--output-prefix {args.output_prefix}: no such directory {out_dir}")
+    dtype = indexed.optimal_dtype(vocab)
     prefixes = {k: output_prefix(args.output_prefix, k, args.split_sentences)
                 for k in args.json_keys}
-    builders = {k: indexed.IndexedDatasetBuilder(indexed.bin_path(p), dtype=dtype)
-                for k, p in prefixes.items()}
+    builders, t0 = {}, time.time()
+    try:
+        for k, p in prefixes.items():
+            try:
+                builders[k] = indexed.IndexedDatasetBuilder(_tmp(indexed.bin_path(p)), dtype=dtype)
+            except OSError as e:
+                raise DataError(f"{indexed.bin_path(p)}: cannot write: {e.strerror or e}") from None
+        n_tokens = _tokenize(args, builders)
+        for k, p in prefixes.items():
+            builders[k].finalize(_tmp(indexed.idx_path(p)))
+        for p in prefixes.values():
+            for path in (indexed.bin_path(p), indexed.idx_path(p)):  # .idx last
+                os.replace(_tmp(path), path)
+    except BaseException:
+        for k, p in prefixes.items():
+            if k in builders:
+                builders[k].discard()
+            if os.path.exists(_tmp(indexed.idx_path(p))):
+                os.remove(_tmp(indexed.idx_path(p)))
+        raise
+    if not args.quiet:
+        dt = max(time.time() - t0, 1e-9)
+        print(f"{n_tokens} tokens in {dt:.1f}s ({n_tokens / dt:,.0f} tokens/s) -> "
+              + ", ".join(prefixes.values()), file=sys.stderr)
+    return prefixes
+
+
+def _tokenize(args, builders: dict) -> int:
+    """Feeds every document of `args.input` to `builders` ({key: builder}); the token count."""
     encoder = Encoder(args)
     pool = None
     if args.workers > 1:
@@ -144,28 +233,29 @@ def run(args) -> dict:
     else:
         encoder.initializer()
     docs = _encoded(_lines(args.input), encoder, pool)
-    n_tokens, t0 = 0, time.time()
+    tokens, n_docs = dict.fromkeys(builders, 0), 0
     bar = tqdm.tqdm(unit="tok", unit_scale=True, disable=args.quiet, desc="tokens")
     try:
-        for i, (ids, lens, _) in enumerate(docs):
+        for line, (ids, lens, _) in enumerate(docs, 1):
             if ids is None:
-                raise ValueError(f"{args.input}: JSON line {i + 1}: {lens}")
+                if lens is None:
+                    continue
+                raise DataError(f"{args.input}: JSON line {line}: {lens}")
             for k in args.json_keys:
                 builders[k].add_document(np.asarray(ids[k], dtype=np.int64), lens[k])
-                n_tokens += len(ids[k])
+                tokens[k] += len(ids[k])
                 bar.update(len(ids[k]))
-            bar.set_postfix(docs=i + 1, refresh=False)
+            n_docs += 1
+            bar.set_postfix(docs=n_docs, refresh=False)
     finally:
         bar.close()
         if pool is not None:
             pool.terminate()
-    for k, p in prefixes.items():
-        builders[k].finalize(indexed.idx_path(p))
-    if not args.quiet:
-        dt = max(time.time() - t0, 1e-9)
-        print(f"{n_tokens} tokens in {dt:.1f}s ({n_tokens / dt:,.0f} tokens/s) -> "
-              + ", ".join(prefixes.values()), file=sys.stderr)
-    return prefixes
+    for k, n in tokens.items():
+        if n == 0:
+            raise DataError(f"{args.input}: no tokens for key {k!r} (documents: {n_docs}); "
+                            "an empty dataset cannot be trained on")
+    return sum(tokens.values())
 
 
 def parse_args(argv=None):
@@ -183,5 +273,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    run(parse_args())
+    sys.exit(main())

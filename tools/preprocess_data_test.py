@@ -1,8 +1,12 @@
 """preprocess_data and train_tokenizer: outputs checked against direct tokenization with the
 HF tokenizer (the reference), Megatron's naming and EOD rules, and the bundled sample data."""
 
+import gzip
 import importlib.util
 import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +14,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from ling2.data.errors import DataError
 from ling2.data.indexed import IndexedDataset
 
 HERE = Path(__file__).resolve().parent
@@ -107,8 +112,162 @@ def test_bad_json_line_is_reported(tmp_path):
     with pytest.raises(ValueError, match=r"in\.jsonl: JSON line 2"):
         pre.run(args)
     args.input = str(tmp_path / "missing.jsonl")
-    with pytest.raises(FileNotFoundError, match="missing.jsonl: no such input file"):
+    with pytest.raises(DataError, match="missing.jsonl: no such input file"):
         pre.run(args)
+
+
+def _lines_of(n, bad=None):
+    """n JSON lines of distinct text; `bad` replaces the last one."""
+    lines = [json.dumps({"text": f"Line {i} of {n}: {i * 7919 % 1000} pounds."}) for i in range(n)]
+    if bad is not None:
+        lines[-1] = bad
+    return "".join(x + "\n" for x in lines).encode()
+
+
+def _truncated_gz():
+    data = gzip.compress(_lines_of(3000))
+    return data[:len(data) // 2]
+
+
+def _flipped_gz():
+    data = bytearray(gzip.compress(_lines_of(3000)))
+    data[len(data) // 2] ^= 0xFF
+    return bytes(data)
+
+
+# (input name, input bytes, flags, regex the one-line error must match); the tokenizer is
+# TOK unless a flag names another; {d} is the input directory.
+BAD_INPUTS = {
+    "no_input": ("missing.jsonl", None, [], r"{d}/missing\.jsonl: no such input file$"),
+    "no_tokenizer": ("in.jsonl", _lines_of(2), ["--tokenizer", "{d}/nope.json"],
+        r"{d}/nope\.json: no such tokenizer file$"),
+    "bad_tokenizer": ("in.jsonl", _lines_of(2), ["--tokenizer", "{d}/bad_tok.json"],
+        r"{d}/bad_tok\.json: not a tokenizers tokenizer\.json: key must be a "
+        r"string at line 1 column 2$"),
+    "text_number": ("in.jsonl", b'{"text": "hello"}\n{"text": 5}\n', [],
+        r"in\.jsonl: JSON line 2: key 'text': expected a string, got a number$"),
+    "text_null": ("in.jsonl", b'{"text": null}\n', [],
+        r"in\.jsonl: JSON line 1: key 'text': expected a string, got null$"),
+    "missing_key": ("in.jsonl", b'{"body": "hello"}\n', [],
+        r"in\.jsonl: JSON line 1: missing key 'text'$"),
+    "list_line": ("in.jsonl", b"[1,2,3]\n", [],
+        r"in\.jsonl: JSON line 1: expected a JSON object, got an array$"),
+    "bad_json": ("in.jsonl", b'{"text": "ok"}\n\n{"text": "broken\n', [],
+        r"in\.jsonl: JSON line 3: Invalid control character"),  # the blank line counts
+    "bad_json_late": ("in.jsonl", _lines_of(5000, bad="{not json"), [],
+        r"in\.jsonl: JSON line 5000: Expecting property name"),
+    "not_utf8": ("in.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', [],
+        r"in\.jsonl: line 2: not UTF-8: byte offset 13 in the line is b'\\xe9'$"),
+    "lone_surrogate": ("in.jsonl", b'{"text": "a\\ud800b"}\n', [],
+        r"in\.jsonl: JSON line 1: key 'text': unpaired surrogate at character 1"),
+    "truncated_gz": ("in.jsonl.gz", _truncated_gz(), [],
+        r"in\.jsonl\.gz: unreadable after line [1-9]\d*: Compressed file ended"),
+    "corrupt_gz": ("in.jsonl.gz", _flipped_gz(), [], r"in\.jsonl\.gz: "),
+    "not_gz": ("in.jsonl.gz", _lines_of(2), [],
+        r"in\.jsonl\.gz: unreadable after line 0: Not a gzipped file"),
+    "eod_too_big": ("in.jsonl", _lines_of(2), ["--append-eod", "--eod-id", "70000"],
+        r"--eod-id 70000: outside the vocabulary \[0, 8192\) of \S*tokenizer\.json"),
+    "eod_negative": ("in.jsonl", _lines_of(2), ["--eod-id", "-1"],
+        r"--eod-id -1: outside the vocabulary"),
+    "no_out_dir": ("in.jsonl", _lines_of(2), ["--output-prefix", "{d}/nodir/out"],
+        r"--output-prefix {d}/nodir/out: no such directory {d}/nodir$"),
+    "empty_file": ("in.jsonl", b"", [],
+        r"in\.jsonl: no tokens for key 'text' \(documents: 0\); an empty "),
+    "blank_lines": ("in.jsonl", b"\n  \n\n", [],
+        r"in\.jsonl: no tokens for key 'text' \(documents: 0\)"),
+    "empty_texts": ("in.jsonl", b'{"text": ""}\n{"text": ""}\n', ["--append-eod"],
+        r"in\.jsonl: no tokens for key 'text' \(documents: 2\)"),
+    "one_key_empty": ("in.jsonl", b'{"text": "Hi.", "t2": ""}\n', ["--json-keys", "text", "t2"],
+        r"in\.jsonl: no tokens for key 't2' \(documents: 1\)"),
+}
+
+
+def _main(inp, out, *flags):
+    """The tool's exit status on argv; later flags override the defaults."""
+    argv = ["--input", str(inp), "--tokenizer", TOK, "--output-prefix", str(out / "out"),
+            "--quiet", *flags]
+    return pre.main(argv)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_one_error_line(tmp_path, capsys, case, workers):
+    """Exit 2 and one `error:` line naming the file (and line) at fault; no output files."""
+    name, data, flags, want = BAD_INPUTS[case]
+    d, out = tmp_path / "in", tmp_path / "out"
+    d.mkdir()
+    out.mkdir()
+    (d / "bad_tok.json").write_text("{not a tokenizer\n")
+    if data is not None:
+        (d / name).write_bytes(data)
+    flags = [f.format(d=d) for f in flags]
+    assert _main(d / name, out, "--workers", workers, *flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert re.search(want.format(d=re.escape(str(d))), err.rstrip("\n")), err
+    assert list(out.iterdir()) == []
+
+
+def _snapshot(path: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_failed_run_keeps_existing_dataset(tmp_path, capsys, workers):
+    """A run failing after many documents leaves the dataset at its prefix byte-identical
+    and no partial files; a later good run replaces it."""
+    d, out = tmp_path / "in", tmp_path / "out"
+    d.mkdir()
+    out.mkdir()
+    (d / "old.jsonl").write_bytes(_lines_of(20))
+    (d / "bad.jsonl").write_bytes(_lines_of(5000, bad='{"text": 5}'))
+    (d / "new.jsonl").write_bytes(_lines_of(30))
+    assert _main(d / "old.jsonl", out, "--append-eod") == 0
+    before = _snapshot(out)
+    assert sorted(before) == ["out_text_document.bin", "out_text_document.idx"]
+    assert _main(d / "bad.jsonl", out, "--append-eod", "--workers", workers) == 2
+    assert "bad.jsonl: JSON line 5000: key 'text'" in capsys.readouterr().err
+    assert _snapshot(out) == before
+    assert _main(d / "new.jsonl", out, "--append-eod", "--workers", workers) == 0
+    assert sorted(_snapshot(out)) == sorted(before)
+    assert IndexedDataset(str(out / "out_text_document")).num_documents == 30
+
+
+def test_bug_is_a_traceback_and_leaves_no_files(tmp_path, monkeypatch):
+    """An unexpected exception propagates (not an `error:` line) and still cleans up."""
+    d, out = tmp_path / "in", tmp_path / "out"
+    d.mkdir()
+    out.mkdir()
+    (d / "in.jsonl").write_bytes(_lines_of(50))
+    assert _main(d / "in.jsonl", out) == 0
+    before = _snapshot(out)
+    calls = []
+
+    def add_document(self, tokens, lengths, modes=None):
+        calls.append(1)
+        if len(calls) == 40:
+            raise RuntimeError("boom")
+        return real(self, tokens, lengths, modes)
+
+    real = pre.indexed.IndexedDatasetBuilder.add_document
+    monkeypatch.setattr(pre.indexed.IndexedDatasetBuilder, "add_document", add_document)
+    with pytest.raises(RuntimeError, match="boom"):
+        _main(d / "in.jsonl", out)
+    assert _snapshot(out) == before
+
+
+def test_script_exit_status(tmp_path):
+    """Run as a script with worker processes: exit 2 and the error line after the progress bar."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(_lines_of(3, bad='{"text": [1]}'))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, str(HERE / "preprocess_data.py"), "--input", str(inp),
+                        "--tokenizer", TOK, "--output-prefix", str(tmp_path / "o"), "--workers",
+                        "2"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == (f"error: {inp}: JSON line 3: key 'text': expected a "
+                                         "string, got an array")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
 def test_bundled_sample_is_reproducible(tmp_path):

@@ -113,10 +113,11 @@ def write_checksums(step_dir) -> dict:
     return files
 
 
-def verify(step_dir, items=ITEMS, part: int = 0, parts: int = 1) -> Optional[str]:
+def verify(step_dir, items=ITEMS, part: int = 0, parts: int = 1, whole: bool = True) -> Optional[str]:
     """None when a step directory is whole, else why not: empty, no checksums.json (an unfinished
     save), a missing item or file, or a file whose size or CRC-32 differs from the one recorded at
-    save. Only every `parts`-th recorded file from `part` on is read (the processes split them)."""
+    save. Only every `parts`-th recorded file from `part` on is read (the processes split them).
+    whole=False checks only the files of `items` (a reader of the weights alone needs its state item)."""
     step_dir = Path(step_dir)
     if not step_dir.is_dir() or not any(step_dir.iterdir()):
         return "empty directory"
@@ -133,6 +134,8 @@ def verify(step_dir, items=ITEMS, part: int = 0, parts: int = 1) -> Optional[str
             return f"item {item!r} missing"
         if not any(f.startswith(item + "/") for f in files):
             return f"item {item!r} not in {CHECKSUMS}"
+    if not whole:
+        files = {f: v for f, v in files.items() if f.split("/", 1)[0] in items}
     gone = [f for f in files if not (step_dir / f).is_file()]
     if gone:
         more = f" and {len(gone) - 3} more" if len(gone) > 3 else ""

@@ -90,6 +90,11 @@ class Source:
 
             if not state.is_dir():
                 raise CheckpointError(f"merge: {step_dir} has no state item")
+            from ling2.checkpoint.manager import verify  # (the manager imports this package's state module)
+
+            reason = verify(step_dir, items=(STATE_NAME,), whole=False)
+            if reason is not None:
+                raise CheckpointError(f"merge: {step_dir} is unusable: {reason}")
             with ocp.PyTreeCheckpointer() as c:
                 meta = c.metadata(state)
             tree = getattr(getattr(meta, "item_metadata", None), "tree", None) or meta
@@ -209,4 +214,6 @@ if __name__ == "__main__":
     flags.DEFINE_string("shape", "uniform", f"Decay shape the weights emulate: one of {SHAPES}.")
     flags.DEFINE_string("weights", "", "Explicit comma-separated weights (oldest first; must sum to 1).")
     flags.DEFINE_string("out", "", "Output state directory.")
-    app.run(lambda argv: sys.exit(main(argv)))
+    from ling2.config import cli
+
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=cli.parse_flags)

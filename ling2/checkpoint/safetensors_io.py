@@ -146,6 +146,11 @@ class ShardedReader:
                     raise SafetensorsError(f"{path}: tensor {name} is cut short: it ends at byte {start + e}, the "
                                            f"file has {size} (truncated?)")
                 self.entries[name] = (path, DTYPES[dtype], shape, start + b, start + e)
+            spans = sorted((b, e, n) for n, (p, _, _, b, e) in self.entries.items() if p == path and e > b)
+            for (_, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+                if b1 < e0:  # two tensors reading the same bytes: one of them holds the other's values
+                    raise SafetensorsError(f"{path}: tensors {n0} and {n1} overlap: bytes [{b1 - start}, "
+                                           f"{min(e0, e1) - start}) of the data belong to both")
         if weight_map is not None:
             for name, file in weight_map.items():
                 if name not in self.entries or self.entries[name][0].name != file:

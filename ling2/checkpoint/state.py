@@ -185,6 +185,11 @@ def _load_state(ckpt_dir, cfg) -> dict:
             raise CheckpointError(str(e)) from None
     if not path.is_dir():
         raise CheckpointError(f"{path}: no state directory or orbax state item")
+    from ling2.checkpoint.manager import verify  # (the manager imports this module)
+
+    reason = verify(Path(ckpt_dir), items=(STATE_NAME,), whole=False)  # a trainer step: its files as they were saved
+    if reason is not None:
+        raise CheckpointError(f"{Path(ckpt_dir)}: unusable checkpoint: {reason}")
     try:  # as host numpy arrays: the item's saved shardings name the devices of the run that wrote it
         with ocp.PyTreeCheckpointer() as ckptr:
             meta = ckptr.metadata(path)

@@ -160,6 +160,26 @@ def test_validation_rules_name_the_field(overrides, field):
         load_config(**overrides)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("steps=true", "steps: expected a number, got true"),
+    ("learning_rate=false", "learning_rate: expected a number, got false"),
+    ("adam_b1=1.5", r"adam_b1 \(from override\).*less than 1"),
+    ("adam_b2=-0.1", r"adam_b2 \(from override\).*greater than or equal to 0"),
+])
+def test_numbers_are_numbers_and_adam_betas_are_in_0_1(override, message):
+    """YAML's true would otherwise count as 1 step; a beta of 1 or more makes Adam's moments diverge."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(override)
+    assert load_config("scan_layers=true").scan_layers is True  # booleans stay booleans
+
+
+def test_a_key_given_twice_in_a_file_is_an_error(tmp_path):
+    f = tmp_path / "twice.yml"
+    f.write_text(f"base_config: {BASE_CONFIG}\nseed: 1\nsteps: 3\nseed: 2\n")
+    with pytest.raises(ConfigError, match=r"twice\.yml: malformed YAML(.|\n)*duplicate key 'seed'(.|\n)*line 4"):
+        load_config(config_file=f)
+
+
 def test_malformed_yaml_names_file(tmp_path):
     f = tmp_path / "bad.yml"
     f.write_text("num_experts: [1, 2\n")

@@ -22,9 +22,27 @@ _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
+class _UniqueKeys(_LOADER):
+    """The safe loader, refusing a mapping that names a key twice (YAML would keep the last one silently)."""
+
+
+def _mapping(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError("while reading a mapping", node.start_mark,
+                                                    f"found duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+
+
 def load_yaml(text: str):
-    """Parses YAML text with the fastest safe loader."""
-    return yaml.load(text, Loader=_LOADER)
+    """Parses YAML text with the fastest safe loader; a key given twice in one mapping is an error."""
+    return yaml.load(text, Loader=_UniqueKeys)
 
 
 class ConfigError(ValueError):

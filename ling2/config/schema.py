@@ -6,7 +6,7 @@ field missing from it is an error rather than a silent second default. Access is
 head dims) are computed once after validation.
 """
 
-from typing import Any, Optional
+from typing import Any, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
@@ -33,6 +33,12 @@ REMOVED_KEYS = {
 class _Group(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, protected_namespaces=(),
                               allow_inf_nan=False)
+
+
+def _numeric(annotation) -> bool:
+    """Whether a field takes numbers and not booleans (int, float, or a union of them with None)."""
+    kinds = set(get_args(annotation)) or {annotation}
+    return bool(kinds & {int, float}) and bool not in kinds
 
 
 def _f(description: str, **constraints):
@@ -218,8 +224,8 @@ class Optimizer(_Group):
     warmup_steps_fraction: float = _f("Fraction of `steps` spent warming up linearly from 0.", ge=0, le=1)
     final_lr_fraction: float = _f("Learning rate at the end of the decay, as a fraction of the peak.", ge=0, le=1)
     wsd_decay_steps_fraction: float = _f("lr_schedule=wsd: fraction of `steps` spent decaying.", ge=0, le=1)
-    adam_b1: float = _f("Adam beta1.")
-    adam_b2: float = _f("Adam beta2.")
+    adam_b1: float = _f("Adam beta1.", ge=0, lt=1)
+    adam_b2: float = _f("Adam beta2.", ge=0, lt=1)
     adam_eps: float = _f("Adam epsilon.", gt=0)
     mu_dtype: T.DTypeOrDefault = _f(
         "Dtype of Adam's first moment; '' follows weight_dtype. bfloat16 halves it (MaxText's mu_dtype); the "
@@ -313,6 +319,17 @@ class Config(*GROUPS):
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, protected_namespaces=(),
                               allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bools_for_numbers(cls, data):
+        """YAML's true and false are not numbers (pydantic would take `steps: true` as 1)."""
+        if isinstance(data, dict):
+            for k, v in data.items():
+                field = cls.model_fields.get(k)
+                if isinstance(v, bool) and field is not None and _numeric(field.annotation):
+                    raise ValueError(f"{k}: expected a number, got {str(v).lower()}")
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "Config":

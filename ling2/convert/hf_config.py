@@ -146,7 +146,7 @@ def _hybrid_names(hf: dict, where: str) -> dict:
 
 def _hybrid_overrides(hf: dict, explicit: set, w: str) -> dict:
     """The Ling2 fields of a bailing_hybrid config (hf with constructor names and defaults filled in)."""
-    H, L, G = hf["num_attention_heads"], hf["num_hidden_layers"], _pos_int(hf, "layer_group_size", w)
+    H, L, G = (_pos_int(hf, k, w) for k in ("num_attention_heads", "num_hidden_layers", "layer_group_size"))
     if (hf.get("num_key_value_heads") or H) != H:
         raise HFConfigError(f"{w}: num_key_value_heads={hf['num_key_value_heads']} must equal num_attention_heads={H}")
     renormalize = _flag(hf, "norm_topk_prob", f"{w}: moe_renormalize (norm_topk_prob)")

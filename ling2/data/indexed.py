@@ -171,6 +171,19 @@ class IndexedDataset:
                 f"{ipath}: sequence {i} (pointer at byte {o_ptr + 8 * i}) spans bytes "
                 f"[{ptrs[i]}, {ends[i]}) of {bpath}, which has {bsize} bytes"
                 + (" (truncated .bin?)" if ends[i] > bsize else ""))
+        # Megatron's builder writes the sequences back to back: each starts where the one before ends. Anything
+        # else (a wrong dtype code, pointers or lengths of another file) would read other tokens silently.
+        starts = np.concatenate([[0], ends[:-1]]) if n else ends
+        bad = np.flatnonzero(ptrs != starts)
+        if bad.size:
+            i = int(bad[0])
+            raise DataFormatError(
+                f"{ipath}: sequence {i} (pointer at byte {o_ptr + 8 * i}) starts at byte {ptrs[i]} of {bpath}, "
+                f"but the sequences before it end at byte {starts[i]} ({np.dtype(self.dtype).name} tokens of "
+                f"{item} bytes: is the dtype code right?)")
+        if n and ends[-1] != bsize:
+            raise DataFormatError(f"{ipath}: its {n} sequences end at byte {ends[-1]} but {bpath} has {bsize} bytes "
+                                  f"(a .bin and .idx of different datasets, or the wrong dtype code?)")
 
     def __len__(self) -> int:
         """Number of sequences."""
@@ -232,7 +245,7 @@ class IndexedDatasetBuilder:
     """Streams tokens to `.bin`; keeps only the compact index arrays in memory.
 
     Use `add_item` per sequence then `end_document`, or `add_document`; `add_index` appends a
-    whole dataset (merge); `finalize(idx_path)` writes the `.idx`.
+    whole dataset (merge); `finalize(idx_path)` writes the `.idx`; `discard()` abandons the build.
     """
 
     def __init__(self, bin_file: str, dtype=np.int32, multimodal: bool = False):
@@ -312,6 +325,12 @@ class IndexedDatasetBuilder:
         del ds
         with open(bin_path(prefix), "rb") as f:
             shutil.copyfileobj(f, self._out)
+
+    def discard(self) -> None:
+        """Closes and deletes the partial `.bin`, so a failed build leaves no file behind."""
+        self._out.close()
+        if os.path.exists(self.bin_file):
+            os.remove(self.bin_file)
 
     def finalize(self, idx_file: str) -> None:
         self._out.close()

@@ -190,6 +190,27 @@ def test_pointer_inconsistent(good):
         I.IndexedDataset(good)
 
 
+def test_sequences_must_follow_each_other_in_the_bin(good):
+    """Sequences of int32 tokens [1, 2, 3] and [4, 5]: Megatron writes them back to back (pointers 0 and 12, 20
+    bytes in all). A dtype code of another width, pointers that overlap or a .bin of another dataset would read
+    other tokens silently."""
+    _patch(good + ".idx", 17, bytes([8]))  # uint16: the same pointers now leave gaps
+    with pytest.raises(I.DataFormatError, match=r"sequence 1 \(pointer at byte 50\) starts at byte 12 of .*g\.bin, "
+                                                 r"but the sequences before it end at byte 6 \(uint16 tokens of 2 "
+                                                 r"bytes: is the dtype code right\?\)"):
+        I.IndexedDataset(good)
+    _patch(good + ".idx", 17, bytes([4]))
+    _patch(good + ".idx", 34 + 8 + 8, struct.pack("<q", 0))  # both sequences at byte 0
+    with pytest.raises(I.DataFormatError, match=r"sequence 1 \(pointer at byte 50\) starts at byte 0 .* end at byte 12"):
+        I.IndexedDataset(good)
+    _patch(good + ".idx", 34 + 8 + 8, struct.pack("<q", 12))
+    I.IndexedDataset(good)
+    with open(good + ".bin", "ab") as f:
+        f.write(bytes(4))
+    with pytest.raises(I.DataFormatError, match=r"g\.idx: its 2 sequences end at byte 20 but .*g\.bin has 24 bytes"):
+        I.IndexedDataset(good)
+
+
 def test_length_inconsistent(good):
     _patch(good + ".idx", 34 + 4, struct.pack("<i", -1))
     with pytest.raises(I.DataFormatError, match=r"negative sequence length -1 for sequence 1 "

@@ -91,11 +91,19 @@ def test_generate_text_prompts_speculative_on_a_hf_checkpoint(ckpts):
     (["--ckpt={tmp}/run", "--prompt_ids=1", "--max_new_tokens=2", "--temperature=-1"], "--temperature=-1"),
     (["--ckpt={tmp}/run", "--prompt_ids=1", "--max_new_tokens=2", "ici_context_parallelism=4"],
      "ici_context_parallelism=4: context parallelism is for training"),
+    (["--ckpt={tmp}/run", "--prompt_ids=1", "--max_new_tokens=abc"], "error: bad flag: flag --max_new_tokens=abc"),
+    (["--ckpt={tmp}/run", "--prompt_ids=1", "--max_new_tokens=2", "--top_k=-1"], "--top_k=-1: must be >= 0"),
+    (["--ckpt={tmp}/run", "--prompt_ids=1", "--no_such_flag=1"], "error: bad flag: Unknown command line flag"),
 ])
 def test_generate_bad_input_exits_2(ckpts, args, message):
     r = run("generate", *[a.format(tmp=ckpts) for a in args])
     assert r.returncode == 2, (r.stdout, r.stderr)
-    assert message in r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_evaluate_bad_flag_exits_2(ckpts):
+    r = run("evaluate", f"--ckpt={ckpts}/run", "--max_batches=abc")
+    assert r.returncode == 2 and "error: bad flag: flag --max_batches=abc" in r.stderr, (r.stdout, r.stderr)
 
 
 def test_generate_on_a_hf_ling3_saved_without_mtp(tmp_path):

@@ -16,6 +16,7 @@ import sys
 
 from absl import app, flags
 
+from ling2.config import cli
 from ling2.config.paths import user_path
 
 FLAGS = flags.FLAGS
@@ -67,4 +68,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=cli.parse_flags)

@@ -19,6 +19,7 @@ import sys
 
 from absl import app, flags
 
+from ling2.config import cli
 from ling2.config.paths import user_path
 
 FLAGS = flags.FLAGS
@@ -123,7 +124,7 @@ def main(argv):
         if FLAGS.max_new_tokens is None or FLAGS.max_new_tokens < 1:
             raise InferError(f"--max_new_tokens={FLAGS.max_new_tokens}: must be given and >= 1")
         prompts = read_prompts()
-        check_sampling(Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p), 1 << 62)
+        check_sampling(Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p))
         loaded = load_model(user_path(FLAGS.ckpt), *argv[1:], need_mtp=FLAGS.speculative_mtp)
         tok = load_tokenizer(loaded, needed=any(isinstance(p, str) for p in prompts))
         ids = [tok.encode(p, add_special_tokens=False).ids if isinstance(p, str) else p for p in prompts]
@@ -154,4 +155,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=cli.parse_flags)

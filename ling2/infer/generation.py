@@ -25,7 +25,7 @@ token to roll back to. Each depth caches its inputs over a window of the last 2K
 recomputed every round, so its cache holds teacher-forced inputs once the tokens are known.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -54,10 +54,13 @@ class Generation(NamedTuple):
     stats: dict  # tokens, main forwards; with speculation the acceptance per depth
 
 
-def check_sampling(s: Sampling, vocab: int) -> None:
+def check_sampling(s: Sampling, vocab: Optional[int] = None) -> None:
+    """InferError naming the flag; vocab None (before a model is loaded) checks top_k's sign only."""
     if not (s.temperature >= 0 and np.isfinite(s.temperature)):
         raise InferError(f"--temperature={s.temperature}: must be a finite number >= 0")
-    if not 0 <= s.top_k <= vocab:
+    if vocab is None and s.top_k < 0:
+        raise InferError(f"--top_k={s.top_k}: must be >= 0 (0: no top-k filter)")
+    if vocab is not None and not 0 <= s.top_k <= vocab:
         raise InferError(f"--top_k={s.top_k}: must be in [0, vocab_size={vocab}] (0: no top-k filter)")
     if not 0 < s.top_p <= 1:
         raise InferError(f"--top_p={s.top_p}: must be in (0, 1]")

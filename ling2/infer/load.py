@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ling2.checkpoint.manager import saved_config
+from ling2.checkpoint.manager import saved_config, verify
 from ling2.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, ShardedReader
 from ling2.checkpoint.state import (CONFIG_NAME, STATE_NAME, CheckpointError, check_shapes, flat, load_state,
                                     model_leaves, read_config, relayout)
@@ -90,11 +90,15 @@ def hf_stop_ids(path: Path, hf: dict) -> tuple:
 
 
 def latest_step_dir(run_dir: Path) -> Path:
-    """{run}/checkpoints/{largest step} (orbax's finished step directories are plain integers)."""
+    """{run}/checkpoints/{largest step whose state verifies}, the step a resumed run would start from; a later step
+    that did not finish saving or was damaged is named on stderr and passed over."""
     steps = sorted((int(p.name), p) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit() and p.is_dir())
-    if not steps:
-        raise InferError(f"--ckpt={run_dir}: a run directory with no finished checkpoint under checkpoints/")
-    return steps[-1][1]
+    for step, path in reversed(steps):
+        reason = verify(path, items=(STATE_NAME,), whole=False)
+        if reason is None:
+            return path
+        print(f"warning: --ckpt={run_dir}: step {step} passed over: {reason}", file=sys.stderr)
+    raise InferError(f"--ckpt={run_dir}: a run directory with no finished checkpoint under checkpoints/")
 
 
 def kind_of(path: Path) -> str:

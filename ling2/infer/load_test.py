@@ -74,6 +74,34 @@ def test_step_without_a_recorded_config_uses_the_run_config_or_says_so(saved, tm
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_damaged_step_is_refused_and_a_run_falls_back_to_its_last_whole_step(saved, tmp_path, capfd):
+    """A byte of a step's state changed after its save (the trainer's checksums no longer match): generate, the
+    converter and merge name the file instead of reading wrong weights; a run directory whose latest step is
+    damaged loads the step before it, as a resumed run would."""
+    from ling2.checkpoint.merge import merge
+    from ling2.checkpoint.state import CheckpointError
+
+    tmp, cfg, ids, want = saved
+    run = tmp_path / "run"
+    shutil.copytree(tmp / "run", run)
+    step7 = run / "checkpoints" / "7"
+    victim = max((f for f in (step7 / "state").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(InferError, match="checksum mismatch"):
+        load_model(step7)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        convert.convert_ling2_to_hf(step7, tmp_path / "hf", progress=False)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        merge([step7, run / "checkpoints" / "4"], [0.5, 0.5], tmp_path / "merged", log=lambda *a: None)
+    loaded = load_model(run)
+    assert loaded.path == run / "checkpoints" / "4"
+    assert "step 7 passed over" in capfd.readouterr().err
+    got = np.asarray(nnx.jit(lambda m, x: m(x).logits)(loaded.model, ids))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # both steps saved the same weights
+
+
 def test_bad_directories_are_named(saved, tmp_path):
     tmp, *_ = saved
     with pytest.raises(InferError, match="no such directory"):

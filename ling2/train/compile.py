@@ -364,14 +364,7 @@ def main(argv) -> int:
     return 0 if p["fits"] else 1
 
 
-def parse_flags(argv):
-    """absl's flag parsing, with a bad flag a user error (exit 2)."""
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        print(f"error: bad flag: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
+    from ling2.config import cli
+
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=cli.parse_flags)

@@ -91,6 +91,10 @@ def make_mesh(cfg, devices=None) -> Mesh:
     """A (stage, data, fsdp, expert, context, tensor) mesh over `devices` (default: all). Over several slices (devices'
     slice_index) each axis is dcn x ici, slices outermost: cfg.dcn_*_parallelism slices along it."""
     devices = jax.devices() if devices is None else list(devices)
+    rows = cfg.per_device_batch_size * len(devices)
+    if rows != int(rows):
+        raise ConfigError(f"per_device_batch_size: {cfg.per_device_batch_size:g} x {len(devices)} device(s) = {rows:g} "
+                          f"sequences per micro-batch, not a whole number")
     by_slice: dict = {}
     for d in devices:
         by_slice.setdefault(getattr(d, "slice_index", 0) or 0, []).append(d)

@@ -121,3 +121,12 @@ def test_ragged_exchange_on_cpu_is_a_named_error():
     for a2a in ("auto", "padded", "emulated"):
         assert runtime.make_mesh(load_config(moe_ep_all_to_all=a2a, ici_expert_parallelism=4, **kw)).shape["expert"] == 4
     assert runtime.make_mesh(load_config(moe_ep_all_to_all="ragged", **kw)).shape["expert"] == 1
+
+
+def test_rows_per_micro_batch_must_be_whole():
+    """per_device_batch_size x devices is the micro-batch's sequences: a fraction would be rounded away silently."""
+    devices = jax.devices()[:8]
+    with pytest.raises(ValueError, match=r"per_device_batch_size: 0.3 x 8 device\(s\) = 2.4 sequences per "
+                                         r"micro-batch, not a whole number"):
+        runtime.make_mesh(load_config(per_device_batch_size=0.3), devices)
+    assert runtime.make_mesh(load_config(per_device_batch_size=0.25), devices).size == 8

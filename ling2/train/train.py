@@ -12,6 +12,7 @@ import traceback
 
 from absl import app, flags
 
+from ling2.config import cli
 from ling2.config.paths import find_file, user_path
 
 FLAGS = flags.FLAGS
@@ -72,12 +73,8 @@ def main(argv):
 
 
 def parse_flags(argv):
-    """absl's flag parsing, with a bad flag a user error (exit 2) rather than absl's exit 1."""
-    try:
-        rest = FLAGS(argv)
-    except flags.Error as e:
-        print(f"error: bad flag: {e}", file=sys.stderr)
-        sys.exit(2)
+    """The shared flag parsing (a bad flag exits 2), and the trainer's own flag checks."""
+    rest = cli.parse_flags(argv)
     if FLAGS.max_consecutive_skips < 1:
         print(f"error: bad flag: --max_consecutive_skips must be >= 1, got {FLAGS.max_consecutive_skips}",
               file=sys.stderr)

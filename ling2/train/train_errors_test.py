@@ -108,7 +108,8 @@ def _bad_data(tmp_path, kind):
     ("too_small", r"DataError: .*too_small \(train split, sequences \[0, 2\)\): the split has 7 "
                   r"tokens, too few for one sample of sequence length 32"),
     ("truncated_bin", r"DataError: .*truncated_bin\.idx: sequence 19 .* spans bytes .*truncated_bin\.bin"),
-    ("zero_batch", r"DataError: .*the global batch size is 0: per_device_batch_size=0\.5"),
+    ("zero_batch", r"ConfigError: per_device_batch_size: 0\.5 x 1 device\(s\) = 0\.5 sequences per micro-batch, "
+                   r"not a whole number"),
 ])
 def test_data_errors_exit_2(tmp_path, kind, message):
     """Bad data is one named DataError and exit 2, before the model is built (token ids when
