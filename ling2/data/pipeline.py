@@ -266,6 +266,10 @@ def datasets_from_config(config, num_devices: int, splits: Sequence[str] = SPLIT
     if not config.data_path and not config.blend_per_split:
         raise DataError("data_path is empty: set it to a .bin/.idx prefix or "
                         "'w1 prefix1 w2 prefix2 ...' (or set blend_per_split)")
+    for field in ("blend_cache_dir", "blend_index_dir"):
+        path = getattr(config, field)
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise DataError(f"{field}: {path} is a file, not a directory")
     counts = split_sample_counts(config, num_devices)
     return build_splits(config.data_path, config.data_split, config.max_target_length,
                         counts, seed=config.data_seed,

@@ -328,3 +328,11 @@ def test_data_config_fields_reach_the_datasets(tmp_path):
     train, valid, test = P.datasets_from_config(per_split, 1)
     assert valid is None and len(train) >= 2 and len(test) >= 2
     assert set(train.document_index.tolist()) == {0, 1, 2}  # whole datasets, not data_split
+
+
+@pytest.mark.parametrize("field", ["blend_cache_dir", "blend_index_dir"])
+def test_index_directories_that_are_files_are_named(tmp_path, field):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(DataError, match=rf"{field}: .*a_file is a file, not a directory"):
+        P.datasets_from_config(_sample_config(**{field: str(a_file)}), 1)

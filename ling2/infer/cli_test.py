@@ -133,3 +133,10 @@ def test_evaluate_json_equals_the_api(ckpts):
     assert r.stdout.splitlines()[0].split()[-1] == "ppl" and f"{want['loss']:.4f}" in r.stdout
     r = run("evaluate", f"--ckpt={ckpts / 'run'}", "--data_path=/nonexistent/prefix")
     assert r.returncode == 2 and "/nonexistent/prefix" in r.stderr
+
+
+def test_prompts_file_ids_must_be_integers(ckpts, tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"ids": [1, 2]}\n{"ids": ["a", 3]}\n')
+    r = run("generate", f"--ckpt={ckpts}/run", f"--prompts_file={f}", "--max_new_tokens=2")
+    assert r.returncode == 2 and f"{f}:2: \"ids\" must be integers, got 'a'" in r.stderr, r.stderr

@@ -72,6 +72,9 @@ def read_prompts() -> list:
                 except json.JSONDecodeError as e:
                     raise InferError(f"{path}:{n}: malformed JSON: {e}") from None
                 if "ids" in obj and isinstance(obj["ids"], list):
+                    bad = [i for i in obj["ids"] if isinstance(i, bool) or not isinstance(i, int)]
+                    if bad:
+                        raise InferError(f"{path}:{n}: \"ids\" must be integers, got {bad[0]!r}")
                     prompts.append(obj["ids"])
                 elif isinstance(obj.get("prompt"), str):
                     prompts.append(obj["prompt"])
