@@ -110,11 +110,14 @@ def _bad_data(tmp_path, kind):
     ("truncated_bin", r"DataError: .*truncated_bin\.idx: sequence 19 .* spans bytes .*truncated_bin\.bin"),
     ("zero_batch", r"ConfigError: per_device_batch_size: 0\.5 x 1 device\(s\) = 0\.5 sequences per micro-batch, "
                    r"not a whole number"),
+    ("empty_valid", r"DataError: .*data_split '100,0,0' leaves the valid split empty"),
 ])
 def test_data_errors_exit_2(tmp_path, kind, message):
     """Bad data is one named DataError and exit 2, before the model is built (token ids when
     their batch is read)."""
-    extra = ["per_device_batch_size=0.5"] if kind == "zero_batch" else _bad_data(tmp_path, kind)
+    extra = {"zero_batch": ["per_device_batch_size=0.5"],
+             "empty_valid": ["data_split=100,0,0", "eval_interval=2", "eval_steps=1"],  # valid data, checked at start
+             }.get(kind) or _bad_data(tmp_path, kind)
     r = subprocess.run(e2e.binary() + [f"--run_dir={tmp_path / 'run'}", "--notensorboard", "--",
                                        *e2e.MICRO, "steps=3", *extra],
                        env=e2e.env(), capture_output=True, text=True, timeout=300)
