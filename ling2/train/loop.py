@@ -215,7 +215,8 @@ def _open(cfg, run_dir: Path, mesh, make_iter, log):
     iterator, Checkpointer or None when checkpointing is off, the step to resume or None)."""
     check_run_dir(run_dir)
     train_iter = make_iter(cfg, "train", mesh.size, data_share(cfg, mesh))  # data errors before the model is built
-    if (cfg.eval_interval or cfg.merge_window) and cfg.eval_steps:
+    evaluates = (cfg.eval_interval and cfg.eval_interval <= cfg.steps) or cfg.merge_window
+    if evaluates and cfg.eval_steps:
         make_iter(cfg, "valid", mesh.size, data_share(cfg, mesh))  # opened again at each evaluation
     ckpt = Checkpointer(run_dir / "checkpoints", cfg) if cfg.enable_checkpointing else None
     resume = ckpt.resume_step(log) if ckpt is not None else None
