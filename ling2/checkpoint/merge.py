@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ling2.checkpoint.safetensors_io import INDEX_NAME, ShardedReader
-from ling2.checkpoint.state import STATE_NAME, CheckpointError, key, model_leaves, published_steps, state_writer
+from ling2.checkpoint.state import STATE_NAME, CheckpointError, check_step_state, key, model_leaves, published_steps, state_writer
 from ling2.config.schema import FIELD_GROUPS
 
 SHAPES = ("uniform", "linear", "cosine", "1-sqrt")
@@ -90,11 +90,7 @@ class Source:
 
             if not state.is_dir():
                 raise CheckpointError(f"merge: {step_dir} has no state item")
-            from ling2.checkpoint.manager import verify  # (the manager imports this package's state module)
-
-            reason = verify(step_dir, items=(STATE_NAME,), whole=False)
-            if reason is not None:
-                raise CheckpointError(f"merge: {step_dir} is unusable: {reason}")
+            check_step_state(step_dir)
             with ocp.PyTreeCheckpointer() as c:
                 meta = c.metadata(state)
             tree = getattr(getattr(meta, "item_metadata", None), "tree", None) or meta

@@ -173,6 +173,15 @@ def load_state(ckpt_dir, cfg) -> dict:
     return _load_state(ckpt_dir, cfg)
 
 
+def check_step_state(step_dir) -> None:
+    """CheckpointError unless a trainer step's state item holds its files as they were saved (its checksums)."""
+    from ling2.checkpoint.manager import verify  # (the manager imports this module)
+
+    reason = verify(Path(step_dir), items=(STATE_NAME,), whole=False)
+    if reason is not None:
+        raise CheckpointError(f"{Path(step_dir)}: unusable checkpoint: {reason}")
+
+
 def _load_state(ckpt_dir, cfg) -> dict:
     path = Path(ckpt_dir).absolute() / STATE_NAME
     leaves = model_leaves(cfg)
@@ -185,11 +194,7 @@ def _load_state(ckpt_dir, cfg) -> dict:
             raise CheckpointError(str(e)) from None
     if not path.is_dir():
         raise CheckpointError(f"{path}: no state directory or orbax state item")
-    from ling2.checkpoint.manager import verify  # (the manager imports this module)
-
-    reason = verify(Path(ckpt_dir), items=(STATE_NAME,), whole=False)  # a trainer step: its files as they were saved
-    if reason is not None:
-        raise CheckpointError(f"{Path(ckpt_dir)}: unusable checkpoint: {reason}")
+    check_step_state(ckpt_dir)
     try:  # as host numpy arrays: the item's saved shardings name the devices of the run that wrote it
         with ocp.PyTreeCheckpointer() as ckptr:
             meta = ckptr.metadata(path)
