@@ -4,13 +4,16 @@ the `context` axis equals the same step on one device.
 Reference: the unsharded step of the same model, seed and global batch on one device (its kernels are
 checked against fla's naive formulas and the HF modeling code elsewhere). Compared: the loss, every
 gradient of a micro-batch, and the parameters after one optimizer step of two micro-batches (gradient
-accumulation), each within 1e-5 relative (norm of the difference over the norm) in float32.
+accumulation), each within 1e-5 relative (norm of the difference over the norm) in float32. The step runs
+with adam_eps = 1 and learning_rate = 1: Adam's first step is then lr * g / (|g| + 1), smooth in the
+accumulated gradient, so the updated parameters check its values. With the usual eps = 1e-8 it is about
+lr * sign(g), which checks only signs and turns a float32 reordering of a near-zero gradient entry into a
+parameter difference of up to lr.
 
 One exception is measured, not assumed: a gradient whose float32 value is a sum with heavy cancellation
 (KDA's A_log) differs by more than 1e-5 between the one-device step and the same step with only the batch
-split over fsdp 2 (no context), i.e. by the reordering of a float32 sum; Adam's first step, about
-lr * sign(g), passes that on to a parameter whose gradient entries are near zero. For such a tensor the
-context run must stay within twice that measured reordering error instead.
+split over fsdp 2 (no context), i.e. by the reordering of a float32 sum. For such a tensor the context run
+must stay within twice that measured reordering error instead.
 
 Batches hold packed documents whose boundaries fall inside shards, exactly on shard edges, and documents
 spanning three or more shards (positions restart at each document, as the data pipeline writes them).
@@ -28,8 +31,8 @@ from ling2.train.testing.steps import packed_batch, rel, run_step
 
 T = 128
 COMMON = dict(max_target_length=T, gla_chunk_size=8, kda_chunk_size=16, attention_block_size=16,
-              warmup_steps_fraction=0.0, lr_schedule="constant", learning_rate=1e-3, gradient_accumulation_steps=2,
-              calculate_per_token_loss=True, load_balance_loss_weight=0.01)
+              warmup_steps_fraction=0.0, lr_schedule="constant", learning_rate=1.0, adam_eps=1.0,
+              gradient_accumulation_steps=2, calculate_per_token_loss=True, load_balance_loss_weight=0.01)
 MODELS = {
     "ling2-micro": dict(model_name="ling2-micro"),
     # Ling 3 micro: KDA, MLA with the output gate, group routing, one MTP depth
