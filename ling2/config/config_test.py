@@ -4,6 +4,8 @@ The expected values are the RFC "PR1 - Ling2 config extension" checks and the
 layer-type rule of the HF reference (BailingMoeV2_5), computed by hand.
 """
 
+import re
+
 import pytest
 
 from ling2.config import Config, ConfigError, load_config
@@ -208,8 +210,11 @@ def test_missing_model_file_in_custom_tree(tmp_path):
 def test_incomplete_root_file(tmp_path):
     f = tmp_path / "partial.yml"
     f.write_text("num_experts: 4\n")
-    with pytest.raises(ConfigError, match=r"partial\.yml: missing config keys"):
+    with pytest.raises(ConfigError, match=r"partial\.yml: missing config keys") as e:
         load_config(config_file=f)
+    assert re.search(r"and \d+ more", str(e.value)) and "`base_config: <path>`" in str(e.value)  # the likely slip
+    with pytest.raises(ConfigError, match=r"model file for model_name='ling2-tiny' not found .*base_config"):
+        load_config(config_file=f, model_name="ling2-tiny")
 
 
 def test_configs_dir_is_the_repo_one():

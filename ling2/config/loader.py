@@ -115,6 +115,15 @@ def _chain(path: Path, seen: tuple = ()) -> list[tuple[Path, dict]]:
     return _chain(Path(os.path.abspath(path.parent / parent)), seen + (path,)) + [(path, data)]
 
 
+def _root_hint(chain) -> str:
+    """Why a chain rooted elsewhere than a base.yml lacks fields: the usual slip is a missing `base_config`."""
+    root = chain[0][0]
+    if root.name == BASE_CONFIG.name:
+        return ""
+    return f"; {root} is the root of its config chain: a run's config names its parent with `base_config: <path>`" \
+           f" (e.g. {BASE_CONFIG})"
+
+
 def load_config(*overrides: Union[str, Mapping[str, Any]], config_file: Union[str, os.PathLike, None] = None,
                 **kwargs: Any) -> Config:
     """Resolve a Config.
@@ -149,7 +158,8 @@ def load_config(*overrides: Union[str, Mapping[str, Any]], config_file: Union[st
         model_file = chain[0][0].parent / "models" / f"{model_name}.yml"
         if not model_file.is_file():
             known = sorted(p.stem for p in model_file.parent.glob("*.yml"))
-            raise ConfigError(f"{model_file}: model file for model_name={model_name!r} not found (known: {known})")
+            raise ConfigError(f"{model_file}: model file for model_name={model_name!r} not found (known: {known})"
+                              + _root_hint(chain))
         layers.append((str(model_file), _read_yaml(model_file)))
     layers += [(str(path), data) for path, data in chain[1:]] + [("override", cli)]
     merged: dict = {}
@@ -159,7 +169,9 @@ def load_config(*overrides: Union[str, Mapping[str, Any]], config_file: Union[st
 
     missing = [k for k in Config.model_fields if k not in merged]
     if missing:
-        raise ConfigError(f"{chain[0][0]}: missing config keys {missing} (base.yml must define every field)")
+        shown = f"{missing[:8]} and {len(missing) - 8} more" if len(missing) > 8 else f"{missing}"
+        raise ConfigError(f"{chain[0][0]}: missing config keys {shown} (base.yml must define every field)"
+                          + _root_hint(chain))
     try:
         return Config(**merged)
     except pydantic.ValidationError as e:
