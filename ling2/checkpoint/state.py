@@ -158,10 +158,12 @@ def relayout(state: dict, cfg_from, cfg_to) -> dict:
     return unflat(dst)
 
 
-def load_state(ckpt_dir, cfg) -> dict:
+def load_state(ckpt_dir, cfg, verified: bool = False) -> dict:
     """The pure-dict state (model key types) of a state directory or a trainer step directory.
 
-    A state directory saved with the other `scan_layers` is re-laid out to `cfg`'s.
+    A state directory saved with the other `scan_layers` is re-laid out to `cfg`'s. A trainer step's state
+    files are checked against their checksums first (`check_step_state`: every byte read once more), unless
+    the caller has just done so (`verified`).
     """
     saved = Path(ckpt_dir) / CONFIG_NAME
     if saved.is_file():
@@ -169,8 +171,8 @@ def load_state(ckpt_dir, cfg) -> dict:
         if saved_cfg.scan_layers != cfg.scan_layers:
             relaid = model_leaves(saved_cfg.model_copy(update={"scan_layers": cfg.scan_layers}))
             check_shapes({p: v.shape for p, v in relaid.items()}, model_leaves(cfg), str(Path(ckpt_dir)))
-            return relayout(_load_state(ckpt_dir, saved_cfg), saved_cfg, cfg)
-    return _load_state(ckpt_dir, cfg)
+            return relayout(_load_state(ckpt_dir, saved_cfg, verified), saved_cfg, cfg)
+    return _load_state(ckpt_dir, cfg, verified)
 
 
 def check_step_state(step_dir) -> None:
@@ -182,7 +184,7 @@ def check_step_state(step_dir) -> None:
         raise CheckpointError(f"{Path(step_dir)}: unusable checkpoint: {reason}")
 
 
-def _load_state(ckpt_dir, cfg) -> dict:
+def _load_state(ckpt_dir, cfg, verified: bool) -> dict:
     path = Path(ckpt_dir).absolute() / STATE_NAME
     leaves = model_leaves(cfg)
     if (path / INDEX_NAME).is_file():  # a state directory: one safetensors tensor per leaf
@@ -194,7 +196,8 @@ def _load_state(ckpt_dir, cfg) -> dict:
             raise CheckpointError(str(e)) from None
     if not path.is_dir():
         raise CheckpointError(f"{path}: no state directory or orbax state item")
-    check_step_state(ckpt_dir)
+    if not verified:
+        check_step_state(ckpt_dir)
     try:  # as host numpy arrays: the item's saved shardings name the devices of the run that wrote it
         with ocp.PyTreeCheckpointer() as ckptr:
             meta = ckptr.metadata(path)

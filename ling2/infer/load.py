@@ -181,7 +181,7 @@ def load_model(ckpt, *overrides, progress: bool = False, need_mtp: bool = False)
         else:
             saved = step_config(step_dir)
             cfg = load_config(saved.model_dump(mode="json"), *overrides, INFER_OVERRIDES)
-        state = load_state(step_dir, saved)
+        state = load_state(step_dir, saved, verified=kind == "run")  # latest_step_dir verified it
         same_layout = cfg.model_copy(update={"scan_layers": saved.scan_layers})
         check_shapes({p: np.shape(v) for p, v in flat(state).items()}, model_leaves(same_layout),
                      f"{step_dir} (with the overrides {list(overrides)})")

@@ -145,3 +145,18 @@ def test_hf_stop_ids_follow_generation_config_then_config(tmp_path):
     (tmp_path / "generation_config.json").write_text("{")
     with pytest.raises(InferError, match="generation_config.json: malformed JSON"):
         hf_stop_ids(tmp_path, {})
+
+
+@pytest.mark.parametrize("where", ["run", "run/checkpoints/7"])
+def test_a_step_is_checksummed_once(saved, where, monkeypatch):
+    """Loading reads each state file once for its checksum, also when a run directory's latest step was just
+    picked by verifying it (a 1T model's state is terabytes)."""
+    from ling2.checkpoint import manager
+
+    tmp, *_ = saved
+    seen = []
+    crc32 = manager.crc32
+    monkeypatch.setattr(manager, "crc32", lambda path: seen.append(path) or crc32(path))
+    load_model(tmp / where)
+    state = tmp / "run" / "checkpoints" / "7" / "state"
+    assert seen and len(seen) == len(set(seen)) and all(state in p.parents for p in seen), seen
