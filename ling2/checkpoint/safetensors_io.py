@@ -67,6 +67,20 @@ def _source(a: np.ndarray):
     return fd, a.ctypes.data - address
 
 
+def _advise_pages(mm: mmap.mmap, offset: int, n: int, advice: int) -> None:
+    """madvise over the pages of [offset, offset + n) of mapping `mm`: all of them to map (MADV_POPULATE_READ:
+    one call instead of a fault per page), only those wholly inside to drop (MADV_DONTNEED: they stay in the page
+    cache; a page shared with a neighbouring tensor stays mapped)."""
+    inner = advice == mmap.MADV_DONTNEED
+    lo = (-(-offset // mmap.PAGESIZE) if inner else offset // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = (((offset + n) // mmap.PAGESIZE) if inner else -(-(offset + n) // mmap.PAGESIZE)) * mmap.PAGESIZE
+    if hi > lo:
+        try:
+            mm.madvise(advice, lo, min(hi, len(mm)) - lo)
+        except OSError:  # MADV_POPULATE_READ on an older kernel: the pages fault in as they are read
+            pass
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.ling2_write_blocks.argtypes = [ctypes.c_int, i64, p, i64, p, i64, p, i64]
@@ -212,6 +226,35 @@ class ShardedReader:
                 pass
         view = np.frombuffer(mm, dtype=dtype, count=n // dtype.itemsize, offset=b).reshape(block)
         return np.array(view) if copy else view
+
+    def nonfinite(self, name: str) -> tuple[int, tuple, float] | None:
+        """None when the tensor holds no NaN or Inf, else (how many, the first one's index, its value).
+
+        Reads CHUNK bytes at a time: a sum per chunk (no temporary; a NaN or Inf carries into it), the exact
+        places only in a chunk whose sum is not finite (finite values whose float32 sum overflows find none).
+        With `map_pages` False it maps each chunk's pages and drops them again, as the native writer does.
+        """
+        path, dtype, shape, b, e = self.entries[name]
+        if dtype.kind != "f" and dtype != DTYPES["BF16"] or e == b:
+            return None
+        flat = self.read(name, copy=False).reshape(-1)
+        step, acc = max(1, CHUNK // dtype.itemsize), np.float64 if dtype.itemsize > 4 else np.float32
+        count, first = 0, None
+        mm = self.maps[path][0]
+        for i in range(0, flat.size, step):
+            part = flat[i:i + step]
+            if not self.map_pages:
+                _advise_pages(mm, b + i * dtype.itemsize, part.nbytes, MADV_POPULATE_READ)
+            if not np.isfinite(np.sum(part, dtype=acc)):
+                bad = np.flatnonzero(~np.isfinite(part.astype(acc)))
+                if bad.size:
+                    count += bad.size
+                    first = first or (i + int(bad[0]), float(part[bad[0]]))
+            if not self.map_pages:
+                _advise_pages(mm, b + i * dtype.itemsize, part.nbytes, mmap.MADV_DONTNEED)
+        if first is None:
+            return None
+        return count, tuple(int(j) for j in np.unravel_index(first[0], shape)), first[1]
 
 
 def write_file(path: Path, tensors: dict) -> int:

@@ -127,12 +127,26 @@ def mtp_absent(reader, cfg, layout: str) -> bool:
     return bool(es) and all(_resolve(e, names) is None for e in es)
 
 
+def check_finite(reader, name: str) -> None:
+    """Raises ConversionError naming the file, the tensor and the first place when a weight holds NaN or Inf:
+    such a checkpoint is damaged, and a model built from it trains or generates nothing but NaN."""
+    bad = reader.nonfinite(name)
+    if bad is not None:
+        count, index, value = bad
+        raise ConversionError(f"{reader.entries[name][0]}: tensor {name} holds {count} non-finite value"
+                              f"{'s' if count > 1 else ''} (NaN or Inf), the first at index {list(index)}: {value}")
+
+
 def _hf_to_sink(reader, cfg, layout, sink, allow_missing_mtp, progress, plan=None) -> None:
-    """Reads every HF tensor once and hands its Ling2 block to `sink.add(key, block, index)`."""
+    """Reads every HF tensor once, checks it is finite and hands its Ling2 block to `sink.add(key, block, index)`."""
     leaves, todo, skip_mtp = plan or _plan(reader, cfg, layout, allow_missing_mtp)
     rank = {p: i for i, p in enumerate(dict.fromkeys(e.path for e, _ in todo))}  # the order _state_writer plans
     todo = sorted(todo, key=lambda t: (rank[t[0].path], t[0].index))  # so blocks arrive in file order
+    checked = set()
     for e, name in tqdm(todo, desc="hf->ling2", unit="tensor", disable=not progress):
+        if name not in checked:
+            checked.add(name)
+            check_finite(reader, name)
         leaf = leaves[e.path]
         sink.add(key(e.path), mapping.to_ling2(e, reader.read(name, copy=False), leaf.shape), e.index)
     if skip_mtp:
@@ -207,8 +221,12 @@ def convert_hf_to_ling2(hf_dir, out_dir, *, scan_layers: bool = False, dtype: st
     plan = _plan(reader, cfg, layout, allow_missing_mtp)
     writer = state_writer(out_dir, cfg, [e.path for e, _ in plan[1]])
     reader.map_pages = writer.lib is None  # the native writer maps and drops each block's pages itself
-    _hf_to_sink(reader, cfg, layout, writer, allow_missing_mtp, progress, plan)
-    writer.close()
+    try:
+        _hf_to_sink(reader, cfg, layout, writer, allow_missing_mtp, progress, plan)
+        writer.close()
+    except BaseException:  # a tensor found damaged on the way: no half-written state/ left to load
+        shutil.rmtree(Path(out_dir) / STATE_NAME, ignore_errors=True)
+        raise
     code = [Path(hf_dir) / m for m in auto_map_modules(hf) if (Path(hf_dir) / m).is_file()]
     if code:
         (Path(out_dir) / HF_CODE).mkdir(exist_ok=True)

@@ -3,6 +3,7 @@
 import json
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -335,3 +336,42 @@ def test_reader_views_stay_right_after_their_pages_are_released(tmp_path, monkey
     views = [(n, r.read(n, copy=False)) for n in tensors] + [(n, r.read(n, (1,), copy=False)) for n in tensors]
     for n, v in views:
         np.testing.assert_array_equal(v, tensors[n] if v.ndim == 2 else tensors[n][1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_reader_counts_non_finite_values(tmp_path, monkeypatch, dtype):
+    """ShardedReader.nonfinite against np.isfinite over the whole tensor (the reference), with chunks of 256
+    bytes so that bad values fall in several chunks; huge finite values (an overflowing float32 sum) are
+    not reported."""
+    from ling2.checkpoint import safetensors_io
+
+    monkeypatch.setattr(safetensors_io, "CHUNK", 256)
+    big = float(ml_dtypes.finfo(dtype).max)
+    clean = np.full((40, 30), big, dtype)
+    bad = np.random.default_rng(0).standard_normal((40, 30)).astype(dtype)
+    for (i, j), v in {(3, 7): np.nan, (3, 8): np.inf, (17, 0): -np.inf, (39, 29): np.nan}.items():
+        bad[i, j] = v
+    w = ShardedWriter(tmp_path, shard_bytes=1 << 20)
+    w.add("clean", clean)
+    w.add("bad", bad)
+    w.close()
+    r = ShardedReader(tmp_path)
+    assert r.nonfinite("clean") is None
+    ref = np.argwhere(~np.isfinite(bad.astype(np.float32)))
+    count, first, value = r.nonfinite("bad")
+    assert (count, first) == (len(ref), tuple(ref[0])) == (4, (3, 7)) and np.isnan(value)
+
+
+def test_non_finite_weights_name_the_file_tensor_and_place(tmp_path, tiny, capsys):
+    """A NaN or Inf weight is a damaged checkpoint: hf_to_ling2 exits 2 naming the shard, the tensor, how many
+    values and the first one's index, and leaves no state/ behind."""
+    up = "model.layers.6.mlp.experts.3.up_proj.weight"
+    w = np.random.default_rng(1).standard_normal((64, 128)).astype(ml_dtypes.bfloat16)
+    w[5, 17], w[40, 2] = np.nan, -np.inf
+    write_random_hf(tmp_path / "hf", tiny, extra={up: w}, dtype=ml_dtypes.bfloat16)
+    shard = json.loads((tmp_path / "hf" / INDEX_NAME).read_text())["weight_map"][up]
+    assert hf_to_ling2.main(["--hf_dir", str(tmp_path / "hf"), "--out", str(tmp_path / "l2"), "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ConversionError:") and shard in err
+    assert f"tensor {up} holds 2 non-finite values (NaN or Inf), the first at index [5, 17]: nan" in err
+    assert not (tmp_path / "l2" / "state").exists()

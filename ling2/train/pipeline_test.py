@@ -3,10 +3,13 @@
 
 Reference: the unpipelined step of the same model, seed and global batch on one device. Compared as in
 `context_parallel_test`: the loss, every gradient of a micro-batch, and the parameters and loss-free expert
-biases after one optimizer step of two micro-batches, each within 1e-5 relative in float32, or within twice
+biases after one optimizer step of two micro-batches, each within 2e-5 relative in float32, or within twice
 the float32 reordering error the same sums show without a pipeline (the unpipelined step sharded over the same
 devices, stage folded into fsdp), measured per tensor: on 8 devices the unpipelined step itself differs from
-one device by about 1e-4 in some gradients. As there, adam_eps = 1 and learning_rate = 1 make Adam's first step
+one device by 1e-5 to 1e-4 in some gradients. The 2e-5 is that scale: one-row pipeline micro-batches sum a
+gradient row by row, an order no unpipelined step shares, and measured 9.1e-6 for a layer's MLA weights while
+their unpipelined floor was 8e-7. One of 8 rows dropped or counted twice moves a gradient by about 1/8.
+As there, adam_eps = 1 and learning_rate = 1 make Adam's first step
 lr * g / (|g| + 1), smooth in the accumulated gradient, so the updated parameters check its values, not only
 its signs.
 
@@ -69,8 +72,8 @@ def check_pipelined_step(mesh: dict, P: int):
     for name, new, ref, other in (("gradients", grads, grads1, flat[1]),
                                   ("updated parameters", params, params1, flat[2])):
         floor = {p: rel(ref[p], other[p]) for p in ref}
-        bad = {p: (r, floor[p]) for p in ref if (r := rel(ref[p], new[p])) > max(1e-5, 2 * floor[p])}
-        assert not bad, f"{name} off by more than 1e-5 relative (or twice the float32 reordering error): {bad}"
+        bad = {p: (r, floor[p]) for p in ref if (r := rel(ref[p], new[p])) > max(2e-5, 2 * floor[p])}
+        assert not bad, f"{name} off by more than 2e-5 relative (or twice the float32 reordering error): {bad}"
 
 
 # Each costly case is its own test, so that Bazel's 10 shards (one test each) run them apart.
