@@ -9,8 +9,10 @@
  * flight. Loaded with ctypes by safetensors_io.py; ctypes releases the GIL meanwhile, so two
  * writer threads and the main thread run at once.
  *
- * Returns 0 or -errno of the failed read or write (-EIO: the source file ends early); -EINVAL
- * when the buffer cannot hold one row of a transposed block (the caller sizes it).
+ * ling2_write_blocks returns 0 or -errno of the failed read or write (-EIO: the source file ends
+ * early); -EINVAL when the buffer cannot hold one row of a transposed block (the caller sizes it).
+ * ling2_count_beyond scans a tensor's bytes for NaN, Inf and values a narrowing cast makes Inf (the
+ * converter refuses them).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -176,6 +178,39 @@ static int read_all(int fd, char *p, int64_t n, int64_t off) {
     p += k, n -= k, off += k;
   }
   return 0;
+}
+
+/* Counts the elements of n elements of es bytes (2, 4 or 8: an IEEE float format) at offset off of
+ * fd whose magnitude bits (all but the sign) are >= limit. Magnitudes order as their bit patterns,
+ * NaN and Inf above every finite value, so with `limit` the exponent field (the pattern of Inf)
+ * these are exactly the NaNs and Infs, and with a lower one also the values a cast to a narrower
+ * format turns into Inf. Read with pread through buf (cap bytes, in L2), so no page of the file
+ * is mapped. Returns the count (*first: the index of the first, -1 for none), or -errno of the
+ * failed read, -EIO where the file ends first, -EINVAL for another element size or a buffer
+ * smaller than one element. */
+#define COUNT_BEYOND(T)                                                      \
+  {                                                                          \
+    const T *x = (const T *)buf, lim = (T)limit, mag = (T)~((T)1 << (8 * sizeof(T) - 1)); \
+    int64_t c = 0;                                                           \
+    for (int64_t j = 0; j < m; j++) c += (x[j] & mag) >= lim;                \
+    for (int64_t j = 0; c && *first < 0; j++)                                \
+      if ((x[j] & mag) >= lim) *first = i + j;                               \
+    count += c;                                                              \
+  }
+int64_t ling2_count_beyond(int fd, int64_t off, int64_t n, int64_t es, uint64_t limit, char *buf,
+                           int64_t cap, int64_t *first) {
+  int64_t count = 0, step = cap / es;
+  *first = -1;
+  if ((es != 2 && es != 4 && es != 8) || step < 1) return -EINVAL;
+  for (int64_t i = 0; i < n; i += step) {
+    int64_t m = n - i < step ? n - i : step;
+    int rc = read_all(fd, buf, m * es, off + i * es);
+    if (rc) return rc;
+    if (es == 2) COUNT_BEYOND(uint16_t)
+    else if (es == 4) COUNT_BEYOND(uint32_t)
+    else COUNT_BEYOND(uint64_t)
+  }
+  return count;
 }
 
 /* A block written as it is, too big to stage: copied in the kernel from its file (as a file

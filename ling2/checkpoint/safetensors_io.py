@@ -51,6 +51,7 @@ THREADS = 2  # PlannedWriter's writer threads
 SPLIT = 8 << 20  # a transposed block this large is split between the native writer's threads
 RUN = 1 << 20  # PlannedWriter gathers smaller blocks bound for consecutive offsets into one write of up to this
 MADV_POPULATE_READ = 22  # Linux >= 5.14; not in python's mmap module
+SCAN_CHUNK = 1 << 20  # bytes ShardedReader.nonfinite reads at a time (in L2)
 TILE = 16  # the native kernel's staging buffer holds at least TILE output rows of a transposed block
 LIB = "libling2_safetensors.so"
 _MAPPINGS = weakref.WeakKeyDictionary()  # ShardedReader's shard mappings (shared, read-only) -> (address, fd)
@@ -67,26 +68,14 @@ def _source(a: np.ndarray):
     return fd, a.ctypes.data - address
 
 
-def _advise_pages(mm: mmap.mmap, offset: int, n: int, advice: int) -> None:
-    """madvise over the pages of [offset, offset + n) of mapping `mm`: all of them to map (MADV_POPULATE_READ:
-    one call instead of a fault per page), only those wholly inside to drop (MADV_DONTNEED: they stay in the page
-    cache; a page shared with a neighbouring tensor stays mapped)."""
-    inner = advice == mmap.MADV_DONTNEED
-    lo = (-(-offset // mmap.PAGESIZE) if inner else offset // mmap.PAGESIZE) * mmap.PAGESIZE
-    hi = (((offset + n) // mmap.PAGESIZE) if inner else -(-(offset + n) // mmap.PAGESIZE)) * mmap.PAGESIZE
-    if hi > lo:
-        try:
-            mm.madvise(advice, lo, min(hi, len(mm)) - lo)
-        except OSError:  # MADV_POPULATE_READ on an older kernel: the pages fault in as they are read
-            pass
-
-
 def _declare(lib: ctypes.CDLL) -> None:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.ling2_write_blocks.argtypes = [ctypes.c_int, i64, p, i64, p, i64, p, i64]
     lib.ling2_write_blocks.restype = i64
     lib.ling2_drop_pages.argtypes = [p, i64]
     lib.ling2_drop_pages.restype = None
+    lib.ling2_count_beyond.argtypes = [ctypes.c_int, i64, i64, i64, ctypes.c_uint64, p, i64, p]
+    lib.ling2_count_beyond.restype = i64
 
 
 @functools.cache
@@ -179,6 +168,10 @@ class ShardedReader:
     def dtype(self, name: str) -> np.dtype:
         return self.entries[name][1]
 
+    def path(self, name: str) -> Path:
+        """The shard file holding tensor `name`."""
+        return self.entries[name][0]
+
     def read(self, name: str, index: tuple = (), copy: bool = True) -> np.ndarray:
         """The tensor, or its block `tensor[index]` for leading indices `index` (read alone).
 
@@ -193,17 +186,7 @@ class ShardedReader:
         n = math.prod(block) * dtype.itemsize
         if index:
             b += int(np.ravel_multi_index(index, shape[:len(index)])) * n
-        if path not in self.maps:  # one mapping per shard, made once (a mapping per tensor costs ~30 us)
-            fd = os.open(path, os.O_RDONLY)
-            size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else None
-            if mm is None:
-                os.close(fd)
-            else:  # the native writer reads blocks of views of `mm` with pread from `fd`, open while `mm` lives
-                _MAPPINGS[mm] = (np.frombuffer(mm, np.uint8, count=1).ctypes.data, fd)
-                weakref.finalize(mm, os.close, fd)
-            self.maps[path] = (mm, size)
-        mm, size = self.maps[path]
+        mm, size = self._map(path)
         if b + n > size:
             raise SafetensorsError(f"{path}: tensor {name} is cut short at byte {size}")
         if n == 0:
@@ -227,34 +210,91 @@ class ShardedReader:
         view = np.frombuffer(mm, dtype=dtype, count=n // dtype.itemsize, offset=b).reshape(block)
         return np.array(view) if copy else view
 
-    def nonfinite(self, name: str) -> tuple[int, tuple, float] | None:
-        """None when the tensor holds no NaN or Inf, else (how many, the first one's index, its value).
+    def nonfinite(self, name: str, cast=None) -> tuple[int, tuple, float] | None:
+        """None when every value of the tensor is finite, also once cast to dtype `cast` (default: its own),
+        else (how many are not, the first one's index, its value).
 
-        Reads CHUNK bytes at a time: a sum per chunk (no temporary; a NaN or Inf carries into it), the exact
-        places only in a chunk whose sum is not finite (finite values whose float32 sum overflows find none).
-        With `map_pages` False it maps each chunk's pages and drops them again, as the native writer does.
+        Exact, on the bits (see `overflow_limit`), SCAN_CHUNK bytes at a time read with pread (the native
+        kernel, else numpy): no page of the mapping is touched.
         """
         path, dtype, shape, b, e = self.entries[name]
-        if dtype.kind != "f" and dtype != DTYPES["BF16"] or e == b:
+        if not is_float(dtype) or e == b:
             return None
-        flat = self.read(name, copy=False).reshape(-1)
-        step, acc = max(1, CHUNK // dtype.itemsize), np.float64 if dtype.itemsize > 4 else np.float32
-        count, first = 0, None
-        mm = self.maps[path][0]
-        for i in range(0, flat.size, step):
-            part = flat[i:i + step]
-            if not self.map_pages:
-                _advise_pages(mm, b + i * dtype.itemsize, part.nbytes, MADV_POPULATE_READ)
-            if not np.isfinite(np.sum(part, dtype=acc)):
-                bad = np.flatnonzero(~np.isfinite(part.astype(acc)))
-                if bad.size:
-                    count += bad.size
-                    first = first or (i + int(bad[0]), float(part[bad[0]]))
-            if not self.map_pages:
-                _advise_pages(mm, b + i * dtype.itemsize, part.nbytes, mmap.MADV_DONTNEED)
-        if first is None:
+        limit = overflow_limit(dtype, dtype if cast is None else cast)
+        fd, es, n = self._fd(path), dtype.itemsize, (e - b) // dtype.itemsize
+        lib, step = native(), max(1, SCAN_CHUNK // es)
+        if lib is not None:
+            buf, first = np.empty(step * es, np.uint8), ctypes.c_int64(-1)
+            count = lib.ling2_count_beyond(fd, b, n, es, limit, buf.ctypes.data, buf.nbytes, ctypes.byref(first))
+            if count < 0:
+                raise OSError(-count, f"{path}: reading tensor {name}: {os.strerror(-count)}")
+            first = first.value
+        else:
+            count, first = 0, -1
+            for i in range(0, n, step):
+                m = min(step, n - i)
+                raw = os.pread(fd, m * es, b + i * es)
+                if len(raw) != m * es:
+                    raise SafetensorsError(f"{path}: tensor {name} is cut short at byte {b + i * es + len(raw)}")
+                c, j = count_beyond(np.frombuffer(raw, dtype), limit)
+                count, first = count + c, first if first >= 0 or j < 0 else i + j
+        if count == 0:
             return None
-        return count, tuple(int(j) for j in np.unravel_index(first[0], shape)), first[1]
+        value = np.frombuffer(os.pread(fd, es, b + first * es), dtype)[0]
+        return count, tuple(int(j) for j in np.unravel_index(first, shape)), float(value)
+
+    def _map(self, path: Path) -> tuple:
+        """(the shared read-only mapping of shard `path` or None for an empty file, its size), made once: a
+        mapping per tensor costs ~30 us. Its descriptor stays open while it lives: the native writer reads
+        blocks of views of it with pread."""
+        if path not in self.maps:
+            fd = os.open(path, os.O_RDONLY)
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if size else None
+            if mm is None:
+                os.close(fd)
+            else:
+                _MAPPINGS[mm] = (np.frombuffer(mm, np.uint8, count=1).ctypes.data, fd)
+                weakref.finalize(mm, os.close, fd)
+            self.maps[path] = (mm, size)
+        return self.maps[path]
+
+    def _fd(self, path: Path) -> int:
+        """The open descriptor of a non-empty shard `path`."""
+        return _MAPPINGS[self._map(path)[0]][1]
+
+
+def is_float(dtype) -> bool:
+    """Whether `dtype` is one of the float formats safetensors holds (F64, F32, F16, BF16)."""
+    return np.dtype(dtype) in (DTYPES["F64"], DTYPES["F32"], DTYPES["F16"], DTYPES["BF16"])
+
+
+@functools.cache
+def overflow_limit(src, dst) -> int:
+    """The smallest magnitude bit pattern (all bits but the sign) of a `src` value that is not finite once cast
+    to `dst`. Magnitudes order as their patterns, NaN and Inf above every finite value, so `|bits| >= limit`
+    is exactly "NaN, Inf, or made Inf by the cast": the pattern of Inf where `dst` holds every `src` value,
+    lower where the cast narrows (float32 -> float16: 65520.0, the first value rounded to Inf). Found by
+    bisection over the patterns with numpy's own cast, the one the writers use."""
+    src, dst = np.dtype(src), np.dtype(dst)
+    u = np.dtype(f"<u{src.itemsize}")
+    lo, hi = 0, int(np.array(np.inf, src).view(u))
+    with np.errstate(over="ignore"):
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if np.isfinite(np.array(mid, u).view(src).astype(dst).astype(np.float64)):
+                lo = mid + 1
+            else:
+                hi = mid
+    return lo
+
+
+def count_beyond(x: np.ndarray, limit: int) -> tuple[int, int]:
+    """(how many elements of float array `x` have magnitude bits >= `limit`, the flat index of the first or -1)."""
+    u = np.dtype(f"<u{x.dtype.itemsize}")
+    mag = np.ascontiguousarray(x).reshape(-1).view(u) & u.type((1 << (8 * u.itemsize - 1)) - 1)
+    hits = np.flatnonzero(mag >= limit)
+    return hits.size, int(hits[0]) if hits.size else -1
 
 
 def write_file(path: Path, tensors: dict) -> int:
@@ -375,7 +415,7 @@ class PlannedWriter:
                 groups, size = groups + [[]], 0
             groups[-1].append((name, tuple(shape), dtype, nbytes))
             size += nbytes
-        self.where, self.fds, self.weight_map = {}, [], {}
+        self.where, self.fds, self.files, self.weight_map = {}, [], [], {}
         self.total, self.written = 0, 0
         for i, group in enumerate(groups):
             file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
@@ -390,6 +430,7 @@ class PlannedWriter:
             _pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
             os.ftruncate(fd, 8 + len(raw) + offset)
             self.fds.append(fd)
+            self.files.append(self.dir / file)
             for name, shape, dtype, _ in group:
                 self.where[name] = (fd, shape, dtype, 8 + len(raw) + header[name]["data_offsets"][0])
                 self.weight_map[name] = file
@@ -534,6 +575,19 @@ class PlannedWriter:
     def _drain(self) -> None:
         while self.queued:
             self.queued.popleft().result()
+
+    def abort(self) -> None:
+        """Gives up: waits for the writes in flight (their errors dropped) and removes the shards."""
+        self.run = None
+        for f in self.queued:
+            f.exception()
+        self.queued.clear()
+        if self.pool is not None:
+            self.pool.shutdown()
+        for fd, file in zip(self.fds, self.files):
+            os.close(fd)
+            file.unlink(missing_ok=True)
+        self.fds = []
 
     def close(self) -> dict:
         """Waits for the queued writes, closes the shards and writes the index; returns it."""

@@ -16,12 +16,14 @@ import sys
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
 from ling2.checkpoint.manager import saved_config
-from ling2.checkpoint.safetensors_io import INDEX_NAME, PlannedWriter, SafetensorsError, ShardedReader
+from ling2.checkpoint.safetensors_io import (INDEX_NAME, PlannedWriter, SafetensorsError, ShardedReader, is_float,
+                                             count_beyond, overflow_limit)
 from ling2.checkpoint.state import (CONFIG_NAME, CheckpointError, STATE_NAME, check_shapes, flat, key, load_state,
                                     model_leaves, read_config, state_writer, unflat)
 from ling2.config import ConfigError
@@ -127,14 +129,23 @@ def mtp_absent(reader, cfg, layout: str) -> bool:
     return bool(es) and all(_resolve(e, names) is None for e in es)
 
 
-def check_finite(reader, name: str) -> None:
-    """Raises ConversionError naming the file, the tensor and the first place when a weight holds NaN or Inf:
-    such a checkpoint is damaged, and a model built from it trains or generates nothing but NaN."""
-    bad = reader.nonfinite(name)
+def _not_finite(where: str, name: str, bad: tuple, src, dst) -> ConversionError:
+    """The error for `bad` = (count, first index, its value) of tensor `name` cast from dtype `src` to `dst`."""
+    count, index, value = bad
+    what = "NaN or Inf value" + ("s" if count > 1 else "")
+    if overflow_limit(src, dst) != overflow_limit(src, src):
+        what = (f"value{'s' if count > 1 else ''} not finite in {np.dtype(dst).name} (NaN, Inf, or beyond its "
+                f"largest, {float(ml_dtypes.finfo(dst).max):g})")
+    return ConversionError(f"{where}: tensor {name} holds {count} {what}, the first at index {list(index)}: {value}")
+
+
+def check_finite(reader, name: str, dtype) -> None:
+    """Raises ConversionError naming the file, the tensor and the first place when a weight holds NaN or Inf, or
+    a value that becomes Inf once cast to `dtype` (float32 -> float16 above 65504): such a checkpoint is damaged
+    or does not fit the asked dtype, and a model built from it trains or generates nothing but NaN."""
+    bad = reader.nonfinite(name, cast=dtype)
     if bad is not None:
-        count, index, value = bad
-        raise ConversionError(f"{reader.entries[name][0]}: tensor {name} holds {count} non-finite value"
-                              f"{'s' if count > 1 else ''} (NaN or Inf), the first at index {list(index)}: {value}")
+        raise _not_finite(str(reader.path(name)), name, bad, reader.dtype(name), dtype)
 
 
 def _hf_to_sink(reader, cfg, layout, sink, allow_missing_mtp, progress, plan=None) -> None:
@@ -144,10 +155,10 @@ def _hf_to_sink(reader, cfg, layout, sink, allow_missing_mtp, progress, plan=Non
     todo = sorted(todo, key=lambda t: (rank[t[0].path], t[0].index))  # so blocks arrive in file order
     checked = set()
     for e, name in tqdm(todo, desc="hf->ling2", unit="tensor", disable=not progress):
+        leaf = leaves[e.path]
         if name not in checked:
             checked.add(name)
-            check_finite(reader, name)
-        leaf = leaves[e.path]
+            check_finite(reader, name, leaf.dtype)
         sink.add(key(e.path), mapping.to_ling2(e, reader.read(name, copy=False), leaf.shape), e.index)
     if skip_mtp:
         mtp = nnx.jit(lambda: MTP(ModelSpec.of(cfg), rngs=nnx.Rngs(cfg.seed)))()  # one compile, not one per op
@@ -185,8 +196,9 @@ def hf_specs(cfg, layout: str, dtype=None) -> list:
             for e in mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()})]
 
 
-def state_to_hf(state, cfg, layout: str, writer, progress: bool = True) -> None:
-    """Writes every HF tensor through `writer.add(name, array)`, one at a time (views; the writer casts).
+def state_to_hf(state, cfg, layout: str, writer, progress: bool = True, dtype=None) -> None:
+    """Writes every HF tensor through `writer.add(name, array)`, one at a time (views; the writer casts to
+    `dtype`, default each leaf's own), after checking each leaf is finite in that dtype (`check_finite`).
 
     `state` is a pure-dict Ling2 state (either key type) or a ShardedReader over a converter
     `state/` directory, from which each block is read only when it is written.
@@ -196,11 +208,22 @@ def state_to_hf(state, cfg, layout: str, writer, progress: bool = True) -> None:
     if isinstance(state, ShardedReader):
         check_shapes({tuple(n.split("/")): state.shape(n) for n in state.names()}, leaves, str(state.dir))
         block = lambda e: state.read(key(e.path), e.index, copy=False)  # noqa: E731
+        check = lambda e, to: check_finite(state, key(e.path), to)  # noqa: E731
     else:
         items = {tuple(map(str, p)): v for p, v in flat(state).items()}
         check_shapes({p: np.shape(v) for p, v in items.items()}, leaves, "state")
         block = lambda e: np.asarray(items[tuple(map(str, e.path))][e.index])  # noqa: E731
+
+        def check(e, to):
+            x = np.asarray(items[tuple(map(str, e.path))])
+            if is_float(x.dtype) and (bad := count_beyond(x, overflow_limit(x.dtype, to)))[0]:
+                index = tuple(int(j) for j in np.unravel_index(bad[1], x.shape))
+                raise _not_finite("state", key(e.path), (bad[0], index, float(x[index])), x.dtype, to)
+    checked = set()
     for e in tqdm(es, desc="ling2->hf", unit="tensor", disable=not progress):
+        if e.path not in checked:
+            checked.add(e.path)
+            check(e, leaves[e.path].dtype if dtype is None else dtype)
         writer.add(e.hf, mapping.to_hf(e, block(e), leaves[e.path].shape))
 
 
@@ -261,8 +284,12 @@ def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "auto", config=None,
     writer = PlannedWriter(out, hf_specs(cfg, layout, np_dtype), shard_bytes)
     if isinstance(state, ShardedReader):
         state.map_pages = writer.lib is None  # the native writer maps and drops each block's pages itself
-    state_to_hf(state, cfg, layout, writer, progress)
-    index = writer.close()
+    try:
+        state_to_hf(state, cfg, layout, writer, progress, np_dtype)
+        index = writer.close()
+    except BaseException:  # no half-written shards left to load
+        writer.abort()
+        raise
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     for f in sorted((Path(ckpt_dir) / HF_CODE).glob("*.py")):
         shutil.copyfile(f, out / f.name)

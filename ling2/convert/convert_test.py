@@ -338,28 +338,68 @@ def test_reader_views_stay_right_after_their_pages_are_released(tmp_path, monkey
         np.testing.assert_array_equal(v, tensors[n] if v.ndim == 2 else tensors[n][1])
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
-def test_reader_counts_non_finite_values(tmp_path, monkeypatch, dtype):
-    """ShardedReader.nonfinite against np.isfinite over the whole tensor (the reference), with chunks of 256
-    bytes so that bad values fall in several chunks; huge finite values (an overflowing float32 sum) are
-    not reported."""
+@pytest.mark.parametrize("path", ["native", "numpy"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16, ml_dtypes.bfloat16])
+def test_reader_counts_non_finite_values(tmp_path, monkeypatch, dtype, path):
+    """ShardedReader.nonfinite, by the native kernel and by numpy, against np.isfinite over the whole tensor
+    (the reference), with reads of 256 bytes so that bad values fall in several of them; the largest finite
+    values and NaNs with other payloads are told apart."""
     from ling2.checkpoint import safetensors_io
 
-    monkeypatch.setattr(safetensors_io, "CHUNK", 256)
+    assert safetensors_io.native() is not None
+    if path == "numpy":
+        monkeypatch.setattr(safetensors_io, "native", lambda: None)
+    monkeypatch.setattr(safetensors_io, "SCAN_CHUNK", 256)
     big = float(ml_dtypes.finfo(dtype).max)
     clean = np.full((40, 30), big, dtype)
     bad = np.random.default_rng(0).standard_normal((40, 30)).astype(dtype)
     for (i, j), v in {(3, 7): np.nan, (3, 8): np.inf, (17, 0): -np.inf, (39, 29): np.nan}.items():
         bad[i, j] = v
+    uint = np.dtype(f"u{bad.itemsize}")
+    bad.view(uint)[20, 5] = bad.view(uint)[3, 7] | 1  # another NaN payload
+    bad[20, 6] = -big
     w = ShardedWriter(tmp_path, shard_bytes=1 << 20)
     w.add("clean", clean)
     w.add("bad", bad)
     w.close()
     r = ShardedReader(tmp_path)
     assert r.nonfinite("clean") is None
-    ref = np.argwhere(~np.isfinite(bad.astype(np.float32)))
+    ref = np.argwhere(~np.isfinite(bad.astype(np.float64)))
     count, first, value = r.nonfinite("bad")
-    assert (count, first) == (len(ref), tuple(ref[0])) == (4, (3, 7)) and np.isnan(value)
+    assert (count, first) == (len(ref), tuple(ref[0])) == (5, (3, 7)) and np.isnan(value)
+
+
+@pytest.mark.parametrize("path", ["native", "numpy"])
+def test_reader_counts_values_a_cast_makes_inf(tmp_path, monkeypatch, path):
+    """ShardedReader.nonfinite(cast=...) for every pair of float formats, on the source values next to where a
+    cast to the target rounds to Inf (the midpoint between its largest value and the next power of two), both
+    signs, NaN, Inf, 0 and 1: the count and first index equal np.isfinite of numpy's elementwise cast (the
+    reference, the cast the writers do)."""
+    from ling2.checkpoint import safetensors_io
+
+    if path == "numpy":
+        monkeypatch.setattr(safetensors_io, "native", lambda: None)
+    monkeypatch.setattr(safetensors_io, "SCAN_CHUNK", 64)
+    floats = [np.float64, np.float32, np.float16, ml_dtypes.bfloat16]
+    w, tensors, narrowing = ShardedWriter(tmp_path, shard_bytes=1 << 20), {}, 0
+    for src in floats:
+        u, inf = np.dtype(f"u{np.dtype(src).itemsize}"), np.array(np.inf, src)
+        for dst in floats:
+            f = ml_dtypes.finfo(dst)
+            with np.errstate(over="ignore"):
+                mid = np.array((float(f.max) + 2.0 ** f.maxexp) / 2 if f.maxexp < 1024 else np.inf, src)
+            narrowing += bool(np.isfinite(mid))
+            near = np.clip(mid.view(u).astype(np.int64) + np.arange(-3, 4), 0, inf.view(u)).astype(u).view(src)
+            x = np.concatenate([near, -near, np.array([np.nan, np.inf, -np.inf, 0, 1, 0], src)]).reshape(4, 5)
+            tensors[f"{np.dtype(src).name}_to_{np.dtype(dst).name}"] = x, dst
+            w.add(f"{np.dtype(src).name}_to_{np.dtype(dst).name}", x)
+    w.close()
+    assert narrowing == 6  # float64 to the three others, float32 to float16 and bfloat16, bfloat16 to float16
+    r = ShardedReader(tmp_path)
+    for name, (x, dst) in tensors.items():
+        with np.errstate(over="ignore", invalid="ignore"):
+            ref = np.argwhere(~np.isfinite(x.astype(dst).astype(np.float64)))
+        assert r.nonfinite(name, cast=dst)[:2] == (len(ref), tuple(ref[0])), name
 
 
 def test_non_finite_weights_name_the_file_tensor_and_place(tmp_path, tiny, capsys):
@@ -373,5 +413,53 @@ def test_non_finite_weights_name_the_file_tensor_and_place(tmp_path, tiny, capsy
     assert hf_to_ling2.main(["--hf_dir", str(tmp_path / "hf"), "--out", str(tmp_path / "l2"), "--no_progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ConversionError:") and shard in err
-    assert f"tensor {up} holds 2 non-finite values (NaN or Inf), the first at index [5, 17]: nan" in err
+    assert f"tensor {up} holds 2 NaN or Inf values, the first at index [5, 17]: nan" in err
     assert not (tmp_path / "l2" / "state").exists()
+
+
+@pytest.mark.parametrize("direction", ["hf_to_ling2", "ling2_to_hf"])
+def test_values_a_float16_cast_makes_inf_are_refused(tmp_path, tiny, capsys, direction):
+    """Converting to float16 a float32 weight beyond float16's range (65520 and up round to Inf, numpy's cast,
+    the writers' own, is the reference) would write Inf: both directions exit 2 naming the tensor and the first
+    place, and write no tensors; the same checkpoint converts in float32, and 65504 (float16's largest) passes."""
+    up = "model.layers.6.mlp.experts.3.up_proj.weight"
+    w = np.random.default_rng(2).standard_normal((64, 128)).astype(np.float32)
+    w[0, 0], w[9, 4], w[30, 1] = 65504.0, 65520.0, -1e6  # Ling2's leaf is [expert, D, F]: [3, 1, 30] comes first
+    with np.errstate(over="ignore"):
+        assert np.isfinite(w[0, 0].astype(np.float16)) and not np.isfinite(w[[9, 30], [4, 1]].astype(np.float16)).any()
+    write_random_hf(tmp_path / "hf", tiny, extra={up: w})
+    run = lambda *a: hf_to_ling2.main(["--hf_dir", str(tmp_path / "hf"), "--no_progress", *a])  # noqa: E731
+    if direction == "hf_to_ling2":
+        assert run("--out", str(tmp_path / "l2"), "--dtype", "fp16") == 2
+        assert not (tmp_path / "l2" / "state").exists()
+        where, name, first = json.loads((tmp_path / "hf" / INDEX_NAME).read_text())["weight_map"][up], up, "[9, 4]: 65520.0"
+    else:
+        assert run("--out", str(tmp_path / "l2")) == 0
+        capsys.readouterr()
+        assert ling2_to_hf.main(["--ckpt", str(tmp_path / "l2"), "--out", str(tmp_path / "back"), "--dtype",
+                                 "fp16", "--no_progress"]) == 2
+        assert not list((tmp_path / "back").glob("*.safetensors"))
+        where, name, first = "l2/state/model-", "decoder/layers/6/mlp/experts/up_proj", "[3, 1, 30]: -1000000.0"
+    err = capsys.readouterr().err
+    assert err.startswith("error: ConversionError:") and where in err, err
+    assert f"tensor {name} holds 2 values not finite in float16 (NaN, Inf, or beyond its largest, 65504), " \
+           f"the first at index {first}" in err, err
+
+
+def test_an_in_memory_state_beyond_float16_is_refused(hf_tiny, tiny):
+    """A state held in memory (a trainer step restored by orbax) is checked as a streamed one: a leaf with a
+    value float16 cannot hold (1e6) or a NaN stops ling2->hf before that leaf's first tensor is written."""
+    state = convert.hf_to_state(ShardedReader(hf_tiny[0]), tiny, "bailing", progress=False)
+    added = []
+    sink = type("Sink", (), {"add": lambda self, name, x: added.append(name)})()
+    convert.state_to_hf(state, tiny, "bailing", sink, progress=False, dtype=np.float16)
+    n = len(added)
+    state["decoder"]["layers"][6]["mlp"]["experts"]["down_proj"][2, 5, 7] = 1e6
+    added.clear()
+    with pytest.raises(convert.ConversionError, match=r"^state: tensor decoder/layers/6/mlp/experts/down_proj holds "
+                       r"1 value not finite in float16 .*, the first at index \[2, 5, 7\]: 1000000.0$"):
+        convert.state_to_hf(state, tiny, "bailing", sink, progress=False, dtype=np.float16)
+    assert 0 < len(added) < n and not any("layers.6.mlp.experts" in a and "down_proj" in a for a in added)
+    state["decoder"]["layers"][6]["mlp"]["experts"]["down_proj"][2, 5, 7] = np.nan
+    with pytest.raises(convert.ConversionError, match=r"holds 1 NaN or Inf value, the first at index \[2, 5, 7\]: nan"):
+        convert.state_to_hf(state, tiny, "bailing", sink, progress=False)
