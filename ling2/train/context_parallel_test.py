@@ -51,17 +51,9 @@ def reference(model):
     return batch, one, floor
 
 
-def test_context_shards_split_the_sequence():
-    """The batch really is split along the sequence: each device holds T / context positions of every row."""
-    cfg = load_config(MODELS["ling2-micro"], COMMON, ici_fsdp_parallelism=1, ici_context_parallelism=8)
-    mesh = runtime.make_mesh(cfg, jax.devices())
-    x = jax.device_put(np.zeros((2, 4, T), np.int32), runtime.batch_sharding(cfg, mesh, 4, T))
-    assert {s.data.shape for s in x.addressable_shards} == {(2, 4, T // 8)}
-
-
 @pytest.mark.parametrize("mesh", [dict(context=2), dict(context=4), dict(context=8),
                                   dict(context=2, fsdp=2, expert=2)], ids=lambda m: "x".join(f"{k}{v}" for k, v in m.items()))
-@pytest.mark.parametrize("model", list(MODELS))  # one model after the other: Bazel's 2 shards, one each
+@pytest.mark.parametrize("model", list(MODELS))  # model-major: each of Bazel's 3 shards builds one reference
 def test_context_parallel_step_equals_one_device(model, mesh):
     assert len(jax.devices()) == 8
     batch, (loss1, grads1, params1), floor = reference(model)
@@ -102,3 +94,11 @@ def test_ragged_expert_parallel_step_equals_one_device(expert):
     for name, new, ref, fl in (("gradients", grads, grads1, floor[0]), ("updated parameters", params, params1, floor[1])):
         bad = {p: (r, fl[p]) for p in ref if (r := rel(ref[p], new[p])) > max(1e-5, 2 * fl[p])}
         assert not bad, f"{name} off by more than 1e-5 relative (or twice the float32 reordering error): {bad}"
+
+
+def test_context_shards_split_the_sequence():
+    """The batch really is split along the sequence: each device holds T / context positions of every row."""
+    cfg = load_config(MODELS["ling2-micro"], COMMON, ici_fsdp_parallelism=1, ici_context_parallelism=8)
+    mesh = runtime.make_mesh(cfg, jax.devices())
+    x = jax.device_put(np.zeros((2, 4, T), np.int32), runtime.batch_sharding(cfg, mesh, 4, T))
+    assert {s.data.shape for s in x.addressable_shards} == {(2, 4, T // 8)}
