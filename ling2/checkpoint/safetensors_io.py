@@ -577,17 +577,18 @@ class PlannedWriter:
             self.queued.popleft().result()
 
     def abort(self) -> None:
-        """Gives up: waits for the writes in flight (their errors dropped) and removes the shards."""
+        """Gives up: waits for the writes in flight (their errors dropped), closes and removes the shards."""
         self.run = None
         for f in self.queued:
             f.exception()
         self.queued.clear()
         if self.pool is not None:
             self.pool.shutdown()
-        for fd, file in zip(self.fds, self.files):
+        for fd in self.fds:
             os.close(fd)
-            file.unlink(missing_ok=True)
         self.fds = []
+        for file in self.files:
+            file.unlink(missing_ok=True)
 
     def close(self) -> dict:
         """Waits for the queued writes, closes the shards and writes the index; returns it."""
@@ -599,6 +600,7 @@ class PlannedWriter:
             self.pool.shutdown()
         for fd in self.fds:
             os.close(fd)
+        self.fds = []
         index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(self.weight_map.items()))}
         (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         return index

@@ -248,6 +248,7 @@ def convert_hf_to_ling2(hf_dir, out_dir, *, scan_layers: bool = False, dtype: st
         _hf_to_sink(reader, cfg, layout, writer, allow_missing_mtp, progress, plan)
         writer.close()
     except BaseException:  # a tensor found damaged on the way: no half-written state/ left to load
+        writer.abort()
         shutil.rmtree(Path(out_dir) / STATE_NAME, ignore_errors=True)
         raise
     code = [Path(hf_dir) / m for m in auto_map_modules(hf) if (Path(hf_dir) / m).is_file()]
