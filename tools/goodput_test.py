@@ -40,3 +40,10 @@ def test_totals_across_a_restart(tmp_path, capsys):
 def test_missing_metrics_is_named(tmp_path, capsys):
     rc, out = _main(capsys, f"--run_dir={tmp_path}")
     assert rc == 2 and f"{tmp_path}/metrics.jsonl" in out.err
+
+
+def test_non_utf8_metrics_is_named(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_bytes(json.dumps(_rec(1, step=1)).encode() + b'\n{"step": 2, "x": "caf\xe9"}\n')
+    rc, out = _main(capsys, f"--run_dir={tmp_path}")
+    off = len(json.dumps(_rec(1, step=1))) + 1 + len('{"step": 2, "x": "caf')
+    assert rc == 2 and out.err == f"error: {tmp_path}/metrics.jsonl:2: not UTF-8 (byte b'\\xe9' at offset {off})\n"

@@ -1,8 +1,14 @@
 """Plots loss, learning rate and throughput from a run's metrics.jsonl into one PNG.
 
     bazel run //tools:plot_metrics -- --metrics=runs/ling2-tiny/metrics.jsonl --out=curves.png
+
+The image format follows --out's suffix (.png when it has none, which is then added). Bad input (a
+missing or malformed metrics file; an --out that is a directory, in no directory, of an unknown format or
+unwritable) is one `error:` line naming the file, line or flag, and exit status 2; the output is written to
+a temporary file and renamed into place, so a failed run leaves an existing image untouched.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,13 +16,15 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from ling2.config.paths import user_path  # noqa: E402
 from ling2.train.metrics import read_metrics  # noqa: E402
 
 flags.DEFINE_string("metrics", None, "Path to metrics.jsonl.")
-flags.DEFINE_string("out", None, "Output PNG (default: next to metrics.jsonl).")
+flags.DEFINE_string("out", None, "Output image, PNG unless its suffix names another format (default: next to "
+                    "metrics.jsonl).")
 FLAGS = flags.FLAGS
 
 
@@ -46,10 +54,30 @@ def figure(rows: list[dict]):
     return fig
 
 
-def plot(rows: list[dict], out: Path) -> None:
+def plot(rows: list[dict], out, fmt: str | None = None) -> None:
     fig = figure(rows)
-    fig.savefig(out, dpi=100)
+    fig.savefig(out, dpi=100, format=fmt)
     plt.close(fig)
+
+
+def output_path(out: str | None, metrics: Path) -> Path:
+    """The image file to write: --out (with .png added when it has no suffix, as savefig would) or
+    metrics.jsonl's name with .png. Raises ValueError naming --out for a directory, a missing parent directory
+    or a format the Agg backend cannot write on its own (pgf needs LaTeX)."""
+    if not out:
+        return metrics.with_suffix(".png")
+    path = user_path(out)
+    if path.is_dir() or out.endswith(os.sep):
+        raise ValueError(f"--out {out}: names a directory; give an image file name (e.g. {path / 'curves.png'})")
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    fmt = path.suffix[1:].lower()
+    formats = sorted(set(FigureCanvasAgg.get_supported_filetypes()) - {"pgf"})
+    if fmt not in formats:
+        raise ValueError(f"--out {out}: unknown image format {fmt!r} (one of {', '.join(formats)})")
+    if not path.parent.is_dir():
+        raise ValueError(f"--out {out}: no such directory {path.parent}")
+    return path
 
 
 def main(argv):
@@ -61,12 +89,33 @@ def main(argv):
         print(f"error: {path}: metrics file not found", file=sys.stderr)
         return 2
     try:
+        out = output_path(FLAGS.out, path)
         rows = read_metrics(path)
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        print(f"error: {path}:{line}: not UTF-8 (byte {e.object[e.start:e.start + 1]!r} at offset {e.start})",
+              file=sys.stderr)
+        return 2
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = user_path(FLAGS.out) if FLAGS.out else path.with_suffix(".png")
-    plot(rows, out)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        f = open(tmp, "wb")
+    except OSError as e:
+        print(f"error: --out {out}: cannot write: {e.strerror or e}", file=sys.stderr)
+        return 2
+    try:
+        with f:
+            plot(rows, f, out.suffix[1:].lower())
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        print(f"error: --out {out}: cannot write: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     print(f"wrote {out}")
     return 0
 

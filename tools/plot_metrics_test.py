@@ -1,12 +1,14 @@
-"""plot_metrics turns metrics.jsonl into a PNG and rejects a malformed file by name and line; a NaN loss
-(a skipped step, written as the string "nan") stays a gap on a numeric axis."""
+"""plot_metrics turns metrics.jsonl into a PNG and rejects a malformed file by name and line, a bad --out by
+name before plotting; a NaN loss (a skipped step, written as the string "nan") stays a gap on a numeric axis."""
 
 import json
 import math
+import re
 
 import matplotlib.category
 import numpy as np
 import pytest
+from absl import flags
 
 from ling2.train.metrics import MetricsWriter, read_metrics
 from tools import plot_metrics
@@ -55,3 +57,49 @@ def test_nan_loss_plots_on_a_numeric_axis(tmp_path):
     assert lo <= 2.5 and 5.0 <= hi < 100  # scaled to the finite losses
     plot_metrics.plot(rows, tmp_path / "c.png")
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _main(capsys, *argv):
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["plot_metrics", *argv])
+    rc = plot_metrics.main(["plot_metrics"])
+    return rc, capsys.readouterr()
+
+
+def _metrics(tmp_path):
+    m = tmp_path / "metrics.jsonl"
+    _write(m, [{"step": s, "loss": 1.0 / s, "lr": 1e-3, "tokens_per_s": 10.0} for s in (1, 2)])
+    return m
+
+
+def test_wrote_names_the_file_written(tmp_path, capsys):
+    """--out without a suffix gets .png (and says so); the default is next to metrics.jsonl."""
+    m = _metrics(tmp_path)
+    rc, out = _main(capsys, f"--metrics={m}", f"--out={tmp_path / 'curves'}")
+    assert rc == 0 and out.out == f"wrote {tmp_path / 'curves.png'}\n", out.err
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rc, out = _main(capsys, f"--metrics={m}", f"--out={tmp_path / 'c.svg'}")
+    assert rc == 0 and out.out == f"wrote {tmp_path / 'c.svg'}\n" and b"<svg" in (tmp_path / "c.svg").read_bytes()
+    rc, out = _main(capsys, f"--metrics={m}")
+    assert rc == 0 and out.out == f"wrote {tmp_path / 'metrics.png'}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.svg", "curves.png", "metrics.jsonl", "metrics.png"]
+
+
+@pytest.mark.parametrize("case", ["dir", "no_dir", "unwritable", "format", "not_utf8"])
+def test_bad_input_is_one_error_line(tmp_path, capsys, case):
+    """Exit 2 and one `error:` line naming --out or the metrics file (and line); nothing written."""
+    m = _metrics(tmp_path)
+    out, want = {
+        "dir": (tmp_path, r"--out {d}: names a directory"),
+        "no_dir": (tmp_path / "nope" / "c.png", r"--out {d}/nope/c\.png: no such directory"),
+        "unwritable": ("/proc/c.png", r"--out /proc/c\.png: cannot write: "),
+        "format": (tmp_path / "c.txt", r"--out {d}/c\.txt: unknown image format 'txt' \(one of .*png"),
+        "not_utf8": (tmp_path / "c.png", r"{d}/metrics\.jsonl:2: not UTF-8 \(byte b'\\xe9' at offset 59\)"),
+    }[case]
+    if case == "not_utf8":
+        m.write_bytes(b'{"step": 1, "loss": 1.0, "lr": 0.001}\n{"step": 2, "x": "caf\xe9"}\n')
+    before = sorted(tmp_path.iterdir())
+    rc, res = _main(capsys, f"--metrics={m}", f"--out={out}")
+    assert rc == 2 and res.out == "" and res.err.startswith("error: ") and res.err.count("\n") == 1, res
+    assert re.fullmatch("error: " + want.format(d=re.escape(str(tmp_path))) + ".*", res.err.rstrip("\n")), res.err
+    assert sorted(tmp_path.iterdir()) == before

@@ -42,8 +42,8 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
 _ABBREV = re.compile(r"(?:\b(?:Mr|Mrs|Ms|Dr|St|Sr|Jr|Prof|Rev|Capt|Col|Gen|Lt|Mt|vs|etc|"
                      r"e\.g|i\.e)|\b[A-Z])\.$")
 _EOD_NAMES = ("<eod>", "<|endoftext|>", "</s>", "<eos>", "[EOS]")
-_JSON_TYPES = {dict: "an object", list: "an array", int: "a number", float: "a number",
-               bool: "a boolean", type(None): "null"}
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number",
+               float: "a number", bool: "a boolean", type(None): "null"}
 
 
 def split_sentences(text: str) -> list[str]:
@@ -177,8 +177,25 @@ def _tmp(path: str) -> str:
     return f"{path}.{os.getpid()}.tmp"
 
 
+def _check_flags(args) -> None:
+    """Flags that would otherwise run with a silently different meaning: a repeated key (each
+    document written twice), a prefix naming a directory (hidden `_key_document` files in it),
+    a worker count below 1."""
+    seen = set()
+    for k in args.json_keys:
+        if k in seen:
+            raise DataError(f"--json-keys: {k!r} given twice")
+        seen.add(k)
+    if not os.path.basename(args.output_prefix):
+        raise DataError(f"--output-prefix {args.output_prefix}: ends in a directory separator; "
+                        "it is a file-name prefix (e.g. DIR/corpus)")
+    if args.workers < 1:
+        raise DataError(f"--workers {args.workers}: must be at least 1")
+
+
 def run(args) -> dict:
     """Tokenizes `args.input`; returns {key: output prefix}. Bad input raises DataError."""
+    _check_flags(args)
     if not os.path.isfile(args.input):
         raise DataError(f"{args.input}: no such input file")
     tok = _load_tokenizer(args.tokenizer)

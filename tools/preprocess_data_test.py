@@ -152,6 +152,10 @@ BAD_INPUTS = {
         r"in\.jsonl: JSON line 1: missing key 'text'$"),
     "list_line": ("in.jsonl", b"[1,2,3]\n", [],
         r"in\.jsonl: JSON line 1: expected a JSON object, got an array$"),
+    "string_line": ("in.jsonl", b'{"text": "ok"}\n"just a string"\n', [],
+        r"in\.jsonl: JSON line 2: expected a JSON object, got a string$"),
+    "null_line": ("in.jsonl", b'{"text": "ok"}\nnull\n', [],
+        r"in\.jsonl: JSON line 2: expected a JSON object, got null$"),
     "bad_json": ("in.jsonl", b'{"text": "ok"}\n\n{"text": "broken\n', [],
         r"in\.jsonl: JSON line 3: Invalid control character"),  # the blank line counts
     "bad_json_late": ("in.jsonl", _lines_of(5000, bad="{not json"), [],
@@ -171,6 +175,14 @@ BAD_INPUTS = {
         r"--eod-id -1: outside the vocabulary"),
     "no_out_dir": ("in.jsonl", _lines_of(2), ["--output-prefix", "{d}/nodir/out"],
         r"--output-prefix {d}/nodir/out: no such directory {d}/nodir$"),
+    "dup_keys": ("in.jsonl", _lines_of(2), ["--json-keys", "text", "text"],
+        r"^error: --json-keys: 'text' given twice$"),
+    "prefix_is_dir": ("in.jsonl", _lines_of(2), ["--output-prefix", "{d}/"],
+        r"^error: --output-prefix {d}/: ends in a directory separator; it is a file-name "),
+    "workers_zero": ("in.jsonl", _lines_of(2), ["--workers", "0"],
+        r"^error: --workers 0: must be at least 1$"),
+    "workers_negative": ("in.jsonl", _lines_of(2), ["--workers", "-3"],
+        r"^error: --workers -3: must be at least 1$"),
     "empty_file": ("in.jsonl", b"", [],
         r"in\.jsonl: no tokens for key 'text' \(documents: 0\); an empty "),
     "blank_lines": ("in.jsonl", b"\n  \n\n", [],
@@ -294,3 +306,32 @@ def test_train_tokenizer_small(tmp_path):
     text = "the cat sat on the mat"
     assert tok.decode(tok.encode(text).ids) == text
     assert len(tok.encode(text).ids) < len(text)  # merges were learned
+
+
+TOKENIZER_BAD_INPUTS = {
+    "no_input": (None, r"{d}/in\.jsonl: no such input file$"),
+    "string_line": (b'{"text": "ok"}\n"just a string"\n',
+        r"in\.jsonl: line 2: expected a JSON object, got a string$"),
+    "text_number": (b'{"text": "ok"}\n\n{"text": 5}\n',
+        r"in\.jsonl: line 3: key 'text': expected a string, got a number$"),
+    "missing_key": (b'{"body": "ok"}\n', r"in\.jsonl: line 1: missing key 'text'$"),
+    "bad_json": (b'{"text": "ok"}\n{not json\n', r"in\.jsonl: line 2: Expecting property name"),
+    "not_utf8": (b'{"text": "ok"}\n{"text": "caf\xe9"}\n',
+        r"in\.jsonl: line 2: not UTF-8: byte offset 13 in the line is b'\\xe9'$"),
+    "lone_surrogate": (b'{"text": "a\\ud800b"}\n',
+        r"in\.jsonl: line 1: key 'text': unpaired surrogate at character 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOKENIZER_BAD_INPUTS))
+def test_train_tokenizer_bad_input(tmp_path, capsys, case):
+    """Exit 2 and one `error:` line naming the file and line; no tokenizer written."""
+    data, want = TOKENIZER_BAD_INPUTS[case]
+    if data is not None:
+        (tmp_path / "in.jsonl").write_bytes(data)
+    rc = train_tok.main(["--input", str(tmp_path / "in.jsonl"), "--output",
+                         str(tmp_path / "t.json"), "--vocab-size", "300"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert re.search(want.format(d=re.escape(str(tmp_path))), err.rstrip("\n")), err
+    assert not (tmp_path / "t.json").exists()

@@ -4,7 +4,9 @@
       [--vocab-size 8192] [--json-key text]
 
 Special tokens come first, so with the defaults <pad>=0, <bos>=1, <eod>=2 (Ling2's config
-defaults pad_id/bos_id/eod_id).
+defaults pad_id/bos_id/eod_id). Each non-blank line is a JSON object with a string at
+--json-key. Bad input (a missing file; a line that is not UTF-8, not JSON, not an object, or
+lacks the key) is one `error:` line on stderr naming the file and line, and exit status 2.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import argparse
 import gzip
 import json
 import os
+import sys
+import zlib
 from typing import Iterator
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -20,15 +24,52 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 SPECIAL = ["<pad>", "<bos>", "<eod>"]
 
 
+class InputError(ValueError):
+    """Bad input (file, line or flag); the message names it. main() prints it as one `error:`
+    line and exits 2."""
+
+
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number",
+               float: "a number", bool: "a boolean", type(None): "null"}
+
+
 def texts(path: str, key: str) -> Iterator[str]:
+    """The `key` string of every JSON-object line of `path` (`.gz` too); blank lines skipped."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
+    try:
+        f = opener(path, "rb")
+    except OSError as e:
+        raise InputError(f"{path}: cannot open: {e.strerror or e}") from None
+    n = 0
+    try:
+        with f:
+            for n, raw in enumerate(f, 1):
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 try:
-                    yield json.loads(line)[key]
-                except (json.JSONDecodeError, KeyError) as e:
-                    raise ValueError(f"{path}: line {n}: {e!r}") from None
+                    data = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{path}: line {n}: {e}") from None
+                if not isinstance(data, dict):
+                    raise InputError(f"{path}: line {n}: expected a JSON object, got "
+                                     f"{_JSON_TYPES[type(data)]}")
+                if key not in data:
+                    raise InputError(f"{path}: line {n}: missing key {key!r}")
+                if not isinstance(data[key], str):
+                    raise InputError(f"{path}: line {n}: key {key!r}: expected a string, got "
+                                     f"{_JSON_TYPES[type(data[key])]}")
+                try:
+                    data[key].encode("utf-8")
+                except UnicodeEncodeError as e:  # a valid JSON escape that tokenizers rejects
+                    raise InputError(f"{path}: line {n}: key {key!r}: unpaired surrogate at "
+                                     f"character {e.start} (not valid Unicode)") from None
+                yield data[key]
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: line {n}: not UTF-8: byte offset {e.start} in the line is "
+                         f"{raw[e.start:e.start + 1]!r}") from None
+    except (EOFError, OSError, zlib.error) as e:  # a truncated or corrupt .gz
+        raise InputError(f"{path}: unreadable after line {n}: {e}") from None
 
 
 def train(inputs: list[str], vocab_size: int = 8192, key: str = "text",
@@ -51,13 +92,18 @@ def main(argv=None):
     p.add_argument("--json-key", default="text")
     p.add_argument("--min-frequency", type=int, default=2)
     a = p.parse_args(argv)
-    for path in a.input:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: no such input file")
-    tok = train(a.input, a.vocab_size, a.json_key, a.min_frequency)
+    try:
+        for path in a.input:
+            if not os.path.isfile(path):
+                raise InputError(f"{path}: no such input file")
+        tok = train(a.input, a.vocab_size, a.json_key, a.min_frequency)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     tok.save(a.output)
     print(f"{a.output}: vocab {tok.get_vocab_size()}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
