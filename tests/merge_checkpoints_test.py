@@ -108,6 +108,41 @@ def test_merge_errors_are_named(run, tmp_path):
     assert r.returncode == 0 and (tmp_path / "z" / "config.yml").is_file(), r.stderr
 
 
+def _files(d):
+    return {p.relative_to(d): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_a_merge_never_destroys_its_output_dir_or_inputs(run, tmp_path, monkeypatch):
+    """--out is written whole or not at all: a merge failing partway leaves the previous merge there byte for
+    byte (no half-written shard); --out naming one of the inputs, or a trainer step, is refused before a byte
+    is written, and that step still restores."""
+    d, cfg = run
+    quiet = lambda s: None  # noqa: E731
+    prev = M.merge(M.step_dirs_of(d, [1, 2]), [0.5, 0.5], tmp_path / "prev", log=quiet)
+    before = _files(prev)
+    real, calls = M.merged_leaf, []
+
+    def failing(*a):
+        calls.append(1)
+        if len(calls) == 5:
+            raise CheckpointError("merge: a tensor of the wrong shape (simulated)")
+        return real(*a)
+
+    monkeypatch.setattr(M, "merged_leaf", failing)
+    with pytest.raises(CheckpointError, match="simulated"):
+        M.merge(M.step_dirs_of(d, [2, 3]), [0.5, 0.5], prev, log=quiet)
+    monkeypatch.setattr(M, "merged_leaf", real)
+    assert _files(prev) == before
+    with pytest.raises(CheckpointError, match=r"--out .*prev is one of the checkpoints merged"):
+        M.merge([prev, d / "checkpoints" / "3"], [0.5, 0.5], prev, log=quiet)
+    step = d / "checkpoints" / "3"
+    step_before = _files(step)
+    with pytest.raises(CheckpointError, match=r"checkpoints/3: not written, it is a trainer step directory"):
+        M.merge(M.step_dirs_of(d, [1, 2]), [0.5, 0.5], step, log=quiet)
+    assert _files(step) == step_before
+    assert set(flat(load_state(step, cfg))) == set(model_leaves(cfg))
+
+
 def test_training_logs_the_merged_eval_loss_and_trains_as_without(tmp_path):
     """merge_window=2, merge_every=2 on a run saving every step: the record of step 4 holds the eval loss of
     the uniform merge of steps 2 and 3 (the newest saved before it), equal to evaluating the merge tool's

@@ -147,14 +147,20 @@ def merge(step_dirs, weights, out_dir, log=print) -> Path:
     for d in dirs:
         if not d.is_dir():
             raise CheckpointError(f"merge: {d} is not a directory")
+        if d.resolve() == Path(out_dir).resolve():
+            raise CheckpointError(f"merge: --out {out_dir} is one of the checkpoints merged; write elsewhere")
     configs = {d: saved_config(d) for d in dirs}
     cfg = same_model(configs)
     sources = [Source(d, configs[d]) for d in dirs]
     leaves = model_leaves(cfg)
     writer = state_writer(out_dir, cfg)
-    for path, leaf in leaves.items():
-        writer.add(key(path), merged_leaf(sources, w, path, leaf))
-    writer.close()
+    try:
+        for path, leaf in leaves.items():
+            writer.add(key(path), merged_leaf(sources, w, path, leaf))
+        writer.close()
+    except BaseException:  # the old contents of out_dir stay
+        writer.abort()
+        raise
     log(f"merged {len(dirs)} checkpoints ({', '.join(f'{c:.4g}' for c in w)}) into {Path(out_dir).absolute()}: "
         f"{len(leaves)} tensors")
     return Path(out_dir).absolute()

@@ -111,16 +111,71 @@ def read_config(path, *overrides):
         raise CheckpointError(f"{path}: {e}") from None
 
 
-def state_writer(out_dir, cfg, order=()) -> PlannedWriter:
-    """Writes config.yml and plans `state/` (one safetensors tensor per leaf, the leaves in `order` first)."""
-    leaves = model_leaves(cfg)
-    out = Path(out_dir).absolute()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG_NAME).write_text(to_yaml(cfg))
-    if (out / STATE_NAME).exists():
-        shutil.rmtree(out / STATE_NAME)
-    paths = list(dict.fromkeys(list(order) + list(leaves)))
-    return PlannedWriter(out / STATE_NAME, [(key(p), leaves[p].shape, leaves[p].dtype) for p in paths], STATE_SHARD)
+def _not_a_state_dir(out: Path) -> str | None:
+    """Why `out` holds something a state directory written there would destroy (a trainer step, files of
+    another kind under state/), or None."""
+    state = out / STATE_NAME
+    if (out / "meta").is_dir() or (out / "_CHECKPOINT_METADATA").exists():
+        return "it is a trainer step directory"
+    if state.exists() and not state.is_dir():
+        return f"{STATE_NAME} is a file"
+    if state.is_dir():
+        other = sorted(p.name for p in state.iterdir() if p.name != INDEX_NAME and not p.name.endswith(".safetensors"))
+        if other:
+            return f"its {STATE_NAME}/ holds {', '.join(other[:3])}, which no state directory has (a trainer checkpoint?)"
+    return None
+
+
+class StateWriter:
+    """Writes a state directory (see the module doc): the tensors go to a hidden sibling of `state/`, which
+    replaces `state/` (and config.yml) only at `close()`, so a failed, interrupted or killed write leaves the
+    directory as it was. Refuses a directory holding anything else (a trainer step) before writing a byte."""
+
+    PARTIAL, OLD = ".state.partial", ".state.old"
+
+    def __init__(self, out_dir, cfg, order=()):
+        leaves = model_leaves(cfg)
+        self.out, self.cfg = Path(out_dir).absolute(), cfg
+        if self.out.exists() and not self.out.is_dir():
+            raise CheckpointError(f"{self.out}: exists and is not a directory")
+        if (why := _not_a_state_dir(self.out)) is not None:
+            raise CheckpointError(f"{self.out}: not written, {why}; choose another output directory")
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"{self.out}: cannot create the output directory: {e.strerror}") from None
+        shutil.rmtree(self.out / self.PARTIAL, ignore_errors=True)  # left by a killed write
+        paths = list(dict.fromkeys(list(order) + list(leaves)))
+        self.writer = PlannedWriter(self.out / self.PARTIAL, [(key(p), leaves[p].shape, leaves[p].dtype)
+                                                             for p in paths], STATE_SHARD)
+        self.lib = self.writer.lib
+
+    def add(self, name: str, a, index: tuple = ()) -> None:
+        self.writer.add(name, a, index)
+
+    def close(self) -> dict:
+        """Finishes the tensors, then puts them and config.yml in place of the old ones; returns the index."""
+        index = self.writer.close()
+        config = self.out / ".config.yml.partial"
+        config.write_text(to_yaml(self.cfg))
+        state, old = self.out / STATE_NAME, self.out / self.OLD
+        shutil.rmtree(old, ignore_errors=True)
+        if state.exists():
+            state.rename(old)
+        (self.out / self.PARTIAL).rename(state)
+        config.replace(self.out / CONFIG_NAME)
+        shutil.rmtree(old, ignore_errors=True)
+        return index
+
+    def abort(self) -> None:
+        """Gives up: removes what was written; the directory keeps its old state/ and config.yml."""
+        self.writer.abort()
+        shutil.rmtree(self.out / self.PARTIAL, ignore_errors=True)
+
+
+def state_writer(out_dir, cfg, order=()) -> StateWriter:
+    """The StateWriter of `out_dir` (one safetensors tensor per leaf, the leaves in `order` first)."""
+    return StateWriter(out_dir, cfg, order)
 
 
 def save_state(out_dir, state: dict, cfg) -> Path:
@@ -129,9 +184,13 @@ def save_state(out_dir, state: dict, cfg) -> Path:
     items = {tuple(map(str, p)): v for p, v in flat(state).items()}
     check_shapes({p: np.shape(v) for p, v in items.items()}, leaves, "state")
     writer = state_writer(out_dir, cfg)
-    for p in leaves:
-        writer.add(key(p), np.asarray(items[tuple(map(str, p))]))
-    writer.close()
+    try:
+        for p in leaves:
+            writer.add(key(p), np.asarray(items[tuple(map(str, p))]))
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
     return Path(out_dir).absolute()
 
 

@@ -247,9 +247,8 @@ def convert_hf_to_ling2(hf_dir, out_dir, *, scan_layers: bool = False, dtype: st
     try:
         _hf_to_sink(reader, cfg, layout, writer, allow_missing_mtp, progress, plan)
         writer.close()
-    except BaseException:  # a tensor found damaged on the way: no half-written state/ left to load
+    except BaseException:  # a tensor found damaged on the way: nothing half-written left to load
         writer.abort()
-        shutil.rmtree(Path(out_dir) / STATE_NAME, ignore_errors=True)
         raise
     code = [Path(hf_dir) / m for m in auto_map_modules(hf) if (Path(hf_dir) / m).is_file()]
     if code:
@@ -279,7 +278,10 @@ def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "auto", config=None,
         state = load_state(ckpt_dir, cfg)
     np_dtype = np.dtype(jax.numpy.dtype(DTYPES[dtype])) if dtype else None
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConversionError(f"{out}: cannot create the output directory: {e.strerror}") from None
     layout = hf_config.layout_for(cfg) if layout == "auto" else layout
     hf = hf_config.config_to_hf(cfg, layout, DTYPES[dtype] if dtype else "")
     writer = PlannedWriter(out, hf_specs(cfg, layout, np_dtype), shard_bytes)

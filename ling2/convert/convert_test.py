@@ -463,3 +463,22 @@ def test_an_in_memory_state_beyond_float16_is_refused(hf_tiny, tiny):
     state["decoder"]["layers"][6]["mlp"]["experts"]["down_proj"][2, 5, 7] = np.nan
     with pytest.raises(convert.ConversionError, match=r"holds 1 NaN or Inf value, the first at index \[2, 5, 7\]: nan"):
         convert.state_to_hf(state, tiny, "bailing", sink, progress=False)
+
+
+def test_a_failed_conversion_leaves_the_previous_output_as_it_was(tmp_path, tiny, capsys):
+    """Converting into a directory that holds an earlier conversion replaces it only when the new one is whole:
+    a damaged checkpoint (a NaN) converted over it exits 2 and leaves its config.yml and state/ byte for byte,
+    with no partial files; an --out that cannot be created is named."""
+    write_random_hf(tmp_path / "good", tiny)
+    up = "model.layers.6.mlp.experts.3.up_proj.weight"
+    bad = np.random.default_rng(3).standard_normal((64, 128)).astype(np.float32)
+    bad[1, 2] = np.nan
+    write_random_hf(tmp_path / "bad", tiny, extra={up: bad})
+    run = lambda src, out: hf_to_ling2.main(["--hf_dir", str(tmp_path / src), "--out", str(out), "--no_progress"])  # noqa: E731
+    assert run("good", tmp_path / "l2") == 0
+    files = lambda: {p.relative_to(tmp_path / "l2"): p.read_bytes() for p in (tmp_path / "l2").rglob("*") if p.is_file()}  # noqa: E731
+    before = files()
+    assert run("bad", tmp_path / "l2") == 2
+    assert files() == before
+    assert run("good", "/proc/ling2_out") == 2
+    assert "error: CheckpointError: /proc/ling2_out: cannot create the output directory" in capsys.readouterr().err

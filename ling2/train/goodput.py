@@ -68,7 +68,7 @@ def lost_work(path, restored_step: int) -> tuple[float, int]:
     if not path.is_file():
         return 0.0, 0
     seconds, last = 0.0, restored_step
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             rec = json.loads(line)
             step = int(rec["step"])

@@ -68,3 +68,20 @@ def test_resume_charges_the_dropped_records_as_lost(finished, tmp_path):
     assert first["goodput/restore_s"] > 0 and first["goodput/compile_s"] > 0
     s = goodput.summary(recs)
     assert s["lost_steps"] == 2 and s["lost"] == pytest.approx(want_lost, rel=1e-9)
+
+
+def test_bytes_that_are_not_utf8_are_not_records(tmp_path):
+    """A metrics.jsonl with a garbage line (bytes that are not UTF-8, as a damaged disk leaves) still resumes:
+    lost_work counts the records around it (2.5 + 3 s after step 1, by hand), truncate_metrics drops it with the
+    later steps, and read_metrics names the file and the byte's offset instead of decoding it silently."""
+    from ling2.train.metrics import truncate_metrics
+
+    recs = [{"step": s, "goodput/step_s": float(s) + 0.5 * (s == 2)} for s in (1, 2, 3)]
+    lines = [json.dumps(r).encode() for r in recs]
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(lines[0] + b"\n" + lines[1] + b"\n\xff\xfe garbage\n" + lines[2] + b"\n")
+    assert goodput.lost_work(path, 1) == (2.5 + 3.0, 2)
+    with pytest.raises(ValueError, match=rf"{path}: not UTF-8 \(byte b'\\xff' at offset {len(lines[0]) + len(lines[1]) + 2}\)"):
+        read_metrics(path)
+    assert truncate_metrics(path, 2) == 2
+    assert path.read_bytes() == lines[0] + b"\n" + lines[1] + b"\n"

@@ -37,7 +37,7 @@ def truncate_metrics(path, last_step: int) -> int:
     if not path.is_file():
         return 0
     keep, dropped = [], 0
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():  # garbage: not a record
         try:
             ok = int(json.loads(line)["step"]) <= last_step
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
@@ -92,7 +92,11 @@ def read_metrics(path) -> list[dict]:
     Raises ValueError naming the file and line of a malformed record, or an empty file."""
     path = Path(path)
     last = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 (byte {e.object[e.start:e.start + 1]!r} at offset {e.start})") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
