@@ -103,6 +103,14 @@ def test_merge_errors_are_named(run, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ling2.checkpoint.merge", f"--run_dir={d}", "--steps=1,2",
                         "--weights=0.5,0.6", f"--out={tmp_path / 'y'}"], env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "weights sum to 1.1" in r.stderr, r.stderr
+    for flags, message in ((["--steps=1,x"], "--steps=1,x: want comma-separated ints"),
+                           (["--steps=1,2", "--weights=a,b"], "--weights=a,b: want comma-separated floats")):
+        r = subprocess.run([sys.executable, "-m", "ling2.checkpoint.merge", f"--run_dir={d}", *flags,
+                            f"--out={tmp_path / 'y'}"], env=env, capture_output=True, text=True)
+        assert r.returncode == 2 and r.stderr == f"error: merge: {message}\n", r.stderr
+    r = subprocess.run([sys.executable, "-m", "ling2.checkpoint.merge", f"--run_dir={tmp_path / 'nope'}", "--last=2",
+                        f"--out={tmp_path / 'y'}"], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr == f"error: merge: --run_dir {tmp_path / 'nope'}: no such directory\n", r.stderr
     r = subprocess.run([sys.executable, "-m", "ling2.checkpoint.merge", f"--run_dir={d}", "--last=2",
                         "--shape=cosine", f"--out={tmp_path / 'z'}"], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and (tmp_path / "z" / "config.yml").is_file(), r.stderr

@@ -257,3 +257,19 @@ def test_saved_config_with_a_removed_key_still_reads(tmp_path, key, value):
     item.parent.mkdir(parents=True)
     item.write_text(json.dumps({**cfg.model_dump(mode="json"), key: value}))
     assert saved_config(tmp_path / "step") == cfg
+
+
+def test_a_bad_value_in_a_saved_config_names_that_file(tmp_path):
+    """A state directory's config.yml with a value of the wrong type is an error that names the file as the
+    value's source (not "override"), and an override given with it is still named as the override."""
+    from ling2.checkpoint.state import CheckpointError, read_config
+    from ling2.config import to_yaml
+
+    saved = tmp_path / "config.yml"
+    saved.write_text(to_yaml(load_config(model_name="ling2-tiny")).replace("base_emb_dim: 128", "base_emb_dim: abc"))
+    with pytest.raises(CheckpointError, match=rf"base_emb_dim \(from {saved}\): .*'abc'"):
+        read_config(saved)
+    saved.write_text(to_yaml(load_config(model_name="ling2-tiny")))
+    with pytest.raises(CheckpointError, match=r"base_mlp_dim \(from override\): .*'x'"):
+        read_config(saved, "base_mlp_dim=x")
+    assert read_config(saved, "base_mlp_dim=96").base_mlp_dim == 96

@@ -189,12 +189,20 @@ def main(argv) -> int:
 
     logging.set_verbosity(logging.ERROR)  # orbax warns of each step's item-level metadata file it does not need
     F = flags.FLAGS
+    def numbers(flag: str, text: str, kind):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"merge: --{flag}={text}: want comma-separated {kind.__name__}s") from None
+
     try:
-        dirs = (step_dirs_of(F.run_dir, [int(s) for s in F.steps.split(",") if s.strip()], F.last) if F.run_dir
+        if F.run_dir and not Path(F.run_dir).is_dir():
+            raise ValueError(f"merge: --run_dir {F.run_dir}: no such directory")
+        dirs = (step_dirs_of(F.run_dir, numbers("steps", F.steps, int), F.last) if F.run_dir
                 else [Path(d) for d in F.step_dirs.split(",") if d.strip()])
         if not dirs:
             raise ValueError("merge: name the checkpoints: --run_dir with --steps or --last, or --step_dirs")
-        weights = ([float(x) for x in F.weights.split(",")] if F.weights else decay_coefficients(F.shape, len(dirs)))
+        weights = numbers("weights", F.weights, float) if F.weights else decay_coefficients(F.shape, len(dirs))
         if not F.out:
             raise ValueError("merge: --out is required")
         merge(dirs, weights, F.out)

@@ -106,7 +106,7 @@ def read_config(path, *overrides):
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: not a Ling2 config (a mapping of key: value)")
     try:
-        return load_config(without_removed(data), *overrides)
+        return load_config(*overrides, named=[(str(path), without_removed(data))])
     except ConfigError as e:
         raise CheckpointError(f"{path}: {e}") from None
 

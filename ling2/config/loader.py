@@ -125,7 +125,7 @@ def _root_hint(chain) -> str:
 
 
 def load_config(*overrides: Union[str, Mapping[str, Any]], config_file: Union[str, os.PathLike, None] = None,
-                **kwargs: Any) -> Config:
+                named: Sequence[tuple[str, Mapping[str, Any]]] = (), **kwargs: Any) -> Config:
     """Resolve a Config.
 
     Args:
@@ -137,6 +137,8 @@ def load_config(*overrides: Union[str, Mapping[str, Any]], config_file: Union[st
     Precedence, lowest first: the chain's first file (base.yml), the model file of `model_name`, the
     chain's other files (a run's own config, e.g. configs/train/ling2-128k.yml stretching the model's
     RoPE), then the overrides.
+      named: (source, mapping) pairs applied after the files and before the overrides, errors naming
+        `source` (e.g. a state directory's config.yml) instead of "override".
       **kwargs: more overrides.
     """
     root = Path(config_file) if config_file else BASE_CONFIG
@@ -150,9 +152,10 @@ def load_config(*overrides: Union[str, Mapping[str, Any]], config_file: Union[st
         if k not in Config.model_fields:
             raise _unknown(k, "override")
 
-    model_name = cli.get("model_name", "default")
-    for _, data in chain:
-        model_name = cli.get("model_name", data.get("model_name", model_name))
+    model_name = "default"
+    for _, data in list(chain) + list(named):
+        model_name = data.get("model_name", model_name)
+    model_name = cli.get("model_name", model_name)
     layers = [(str(path), data) for path, data in chain[:1]]
     if model_name != "default":
         model_file = chain[0][0].parent / "models" / f"{model_name}.yml"
@@ -161,7 +164,7 @@ def load_config(*overrides: Union[str, Mapping[str, Any]], config_file: Union[st
             raise ConfigError(f"{model_file}: model file for model_name={model_name!r} not found (known: {known})"
                               + _root_hint(chain))
         layers.append((str(model_file), _read_yaml(model_file)))
-    layers += [(str(path), data) for path, data in chain[1:]] + [("override", cli)]
+    layers += [(str(path), data) for path, data in chain[1:]] + [(str(w), dict(d)) for w, d in named] + [("override", cli)]
     merged: dict = {}
     sources: dict = {}
     for where, data in layers:
