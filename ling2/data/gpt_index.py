@@ -203,6 +203,19 @@ def check_enough_tokens(tokens: int, seq_length: int, add: int, num_samples: Opt
             f"sequence length {seq_length} (+{add} extra token)")
 
 
+def check_index_fits(num_sequences: int, epochs: int, num_samples: Optional[int], name: str) -> None:
+    """DataError when the split's index arrays (the document index tiled `epochs` times, the sample and
+    shuffle indices), at their smallest, would not fit this host's memory: a run asking for far more samples
+    than it means to (steps=1e11) is named before numpy tries to allocate terabytes."""
+    samples = num_samples or 0
+    need = 4 * (epochs * num_sequences + (samples + 1) * 2 + samples)  # int32 everywhere: a lower bound
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > have:
+        raise DataError(f"{name}: {samples} samples take {epochs} epochs over the split, index arrays of at "
+                        f"least {need / 2**30:.1f} GiB, more than this host's {have / 2**30:.1f} GiB of memory "
+                        f"(fewer steps, a smaller global batch, or more data)")
+
+
 def build_indices(sequence_lengths: np.ndarray, indices: np.ndarray, seq_length: int,
                   num_samples: Optional[int], seed: int, add_extra_token: bool = True,
                   drop_last: bool = True, name: str = "dataset", exact: bool = False):
@@ -211,6 +224,7 @@ def build_indices(sequence_lengths: np.ndarray, indices: np.ndarray, seq_length:
     tokens = int(sequence_lengths[indices].sum(dtype=np.int64)) if len(indices) else 0
     check_enough_tokens(tokens, seq_length, add, num_samples, drop_last, name)
     epochs = num_epochs(tokens, num_samples, seq_length, add)
+    check_index_fits(len(indices), epochs, num_samples, name)
     separate = False
     if epochs > 1:
         sans_final = ((epochs - 1) * tokens - add) // seq_length
@@ -341,6 +355,7 @@ class GPTDataset:
         tokens = int(dataset.sequence_lengths[beg:end].sum(dtype=np.int64))
         check_enough_tokens(tokens, self.seq_length, self.add, num_samples, drop_last, name)
         epochs = num_epochs(tokens, num_samples, self.seq_length, self.add)
+        check_index_fits(end - beg, epochs, num_samples, name)
         request = {"sequence_length": self.seq_length, "random_seed": seed,
                    "num_samples": num_samples, "split": data_split,
                    "add_extra_token": self.add, "drop_last": drop_last}

@@ -494,3 +494,26 @@ def test_index_dir_that_is_also_the_cache_is_not_strict(tmp_path):
     with pytest.raises(DataError, match="num_samples: requested 400, found [23]00"):
         G.GPTDataset(ds, "train", c["split"], c["seq_length"], 400, c["seed"], index_dir=d,
                      cache_dir=str(tmp_path / "other"))
+
+
+def test_a_sample_count_beyond_the_hosts_memory_is_named_before_building(monkeypatch):
+    """Asking for more samples than the index arrays can hold in memory (steps=1e11) is a DataError naming the
+    split, the samples, the epochs and the sizes, raised before any array is allocated; the bound is the
+    arrays' smallest size (int32 everywhere), so a run that fits is never refused: with the host's memory
+    just above that bound the same request builds past the check (it then fails on allocating, patched here)."""
+    c = CASES[0][0]
+    ds = IndexedDataset(str(FIX / c["dataset"]))
+    lengths = ds.sequence_lengths
+    n = 10**11
+    tokens = int(lengths.sum(dtype=np.int64))
+    epochs = G.num_epochs(tokens, n, c["seq_length"], 1)
+    least = 4 * (epochs * len(lengths) + 2 * (n + 1) + n)  # by hand: int32 document, sample, shuffle indices
+    page = os.sysconf("SC_PAGE_SIZE")
+    with pytest.raises(DataError, match=rf"{n} samples take {epochs} epochs over the split, index arrays of at "
+                                        rf"least {least / 2**30:.1f} GiB, more than this host's"):
+        G.GPTDataset(ds, "train", "1,0,0", c["seq_length"], n, 1234, True)
+    real = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda k: -(-least // page) if k == "SC_PHYS_PAGES" else real(k))
+    monkeypatch.setattr(G, "build_document_index", lambda *a: (_ for _ in ()).throw(MemoryError("past the check")))
+    with pytest.raises(MemoryError, match="past the check"):
+        G.GPTDataset(ds, "train", "1,0,0", c["seq_length"], n, 1234, True)
