@@ -335,3 +335,21 @@ def test_train_tokenizer_bad_input(tmp_path, capsys, case):
     assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert re.search(want.format(d=re.escape(str(tmp_path))), err.rstrip("\n")), err
     assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize("flags,want", [
+    (["--vocab-size", "100"], r"--vocab-size 100: must be at least 259"),
+    (["--min-frequency", "0"], r"--min-frequency 0: must be at least 1"),
+    (["--output", "{d}"], r"--output {d}: not a writable file path"),
+    (["--output", "{d}/no/t.json"], r"--output {d}/no/t\.json: not a writable file path"),
+    (["--output", "/proc/t.json"], r"--output /proc/t\.json: (not a writable file path|cannot write: .*)$"),
+], ids=["vocab", "min_frequency", "output_dir", "output_no_dir", "output_unwritable"])
+def test_train_tokenizer_bad_flags(tmp_path, capsys, flags, want):
+    """Flags the trainer would fail on (or quietly ignore) after reading every input: exit 2 naming the flag,
+    checked before training."""
+    (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')
+    args = ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "t.json"), "--vocab-size", "300"]
+    rc = train_tok.main(args + [f.format(d=tmp_path) for f in flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert re.search(want.format(d=re.escape(str(tmp_path))), err), err

@@ -93,14 +93,25 @@ def main(argv=None):
     p.add_argument("--min-frequency", type=int, default=2)
     a = p.parse_args(argv)
     try:
+        least = 256 + len(SPECIAL)  # the byte alphabet and the special tokens
+        if a.vocab_size < least:
+            raise InputError(f"--vocab-size {a.vocab_size}: must be at least {least} (256 bytes + {SPECIAL})")
+        if a.min_frequency < 1:
+            raise InputError(f"--min-frequency {a.min_frequency}: must be at least 1")
+        out = os.path.dirname(os.path.abspath(a.output))
+        if os.path.isdir(a.output) or not os.path.isdir(out) or not os.access(out, os.W_OK):
+            raise InputError(f"--output {a.output}: not a writable file path")
         for path in a.input:
             if not os.path.isfile(path):
                 raise InputError(f"{path}: no such input file")
         tok = train(a.input, a.vocab_size, a.json_key, a.min_frequency)
+        try:
+            tok.save(a.output)
+        except Exception as e:  # the tokenizers library raises a bare Exception for an OS error
+            raise InputError(f"--output {a.output}: cannot write: {e}") from None
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tok.save(a.output)
     print(f"{a.output}: vocab {tok.get_vocab_size()}")
     return 0
 
