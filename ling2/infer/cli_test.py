@@ -3,6 +3,8 @@ Python API's on the same checkpoint, and bad input exits 2 with a message naming
 
 import json
 import os
+import shutil
+import struct
 import subprocess
 import sys
 
@@ -11,6 +13,7 @@ import pytest
 from flax import nnx
 
 from ling2.checkpoint.manager import Checkpointer
+from ling2.checkpoint.safetensors_io import INDEX_NAME
 from ling2.config import load_config
 from ling2.convert import convert
 from ling2.convert.testing.hf_fixtures import mtp_names, write_random_hf
@@ -94,16 +97,90 @@ def test_generate_text_prompts_speculative_on_a_hf_checkpoint(ckpts):
     (["--ckpt={tmp}/run", "--prompt_ids=1", "--max_new_tokens=abc"], "error: bad flag: flag --max_new_tokens=abc"),
     (["--ckpt={tmp}/run", "--prompt_ids=1", "--max_new_tokens=2", "--top_k=-1"], "--top_k=-1: must be >= 0"),
     (["--ckpt={tmp}/run", "--prompt_ids=1", "--no_such_flag=1"], "error: bad flag: Unknown command line flag"),
+    (["--ckpt={tmp}/run", "--prompt_ids=1,2", "--max_new_tokens=1023"],
+     "--max_new_tokens=1023: the longest prompt (2 tokens) plus the new tokens (1025) exceed the model's "
+     "max_position_embeddings=1024"),
+    (["--ckpt={tmp}/run", "--prompt_ids=1", "--max_new_tokens=99999999999"], "--max_new_tokens=99999999999: "),
 ])
 def test_generate_bad_input_exits_2(ckpts, args, message):
     r = run("generate", *[a.format(tmp=ckpts) for a in args])
     assert r.returncode == 2, (r.stdout, r.stderr)
-    assert message in r.stderr and "Traceback" not in r.stderr
+    assert message in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
 
 
 def test_evaluate_bad_flag_exits_2(ckpts):
     r = run("evaluate", f"--ckpt={ckpts}/run", "--max_batches=abc")
     assert r.returncode == 2 and "error: bad flag: flag --max_batches=abc" in r.stderr, (r.stdout, r.stderr)
+
+
+def test_evaluate_refuses_more_batches_than_memory_holds(ckpts):
+    r = run("evaluate", f"--ckpt={ckpts}/run", f"--data_path={DATA}", "--max_batches=99999999999")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.startswith("error: --max_batches=99999999999: ") and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("out,message", [
+    ("{tmp}", "is a directory"),
+    ("{tmp}/prompts.txt/y.json", "prompts.txt is not a directory"),
+    ("/proc/x/y.json", "cannot write in /proc"),
+])
+def test_evaluate_refuses_an_unusable_out_before_evaluating(ckpts, out, message):
+    (ckpts / "prompts.txt").touch()
+    out = out.format(tmp=ckpts)
+    r = run("evaluate", f"--ckpt={ckpts}/run", f"--data_path={DATA}", f"--out={out}")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.startswith(f"error: --out={out}: ") and message in r.stderr, r.stderr
+    assert len(r.stderr.splitlines()) == 1 and not r.stdout, (r.stdout, r.stderr)
+
+
+@pytest.fixture(scope="module")
+def hf_shards(tmp_path_factory):
+    """A random ling2-micro HF directory in four shards, to damage copies of."""
+    path = tmp_path_factory.mktemp("shards") / "hf"
+    write_random_hf(path, load_config(MICRO))
+    return path
+
+
+def _shard_header(shard):
+    n = struct.unpack("<Q", shard.read_bytes()[:8])[0]
+    return n, json.loads(shard.read_bytes()[8:8 + n])
+
+
+def _nan_weight(hf):
+    shard = sorted(hf.glob("*.safetensors"))[0]
+    n, header = _shard_header(shard)
+    name = next(k for k, v in header.items() if k != "__metadata__")
+    with open(shard, "r+b") as f:
+        f.seek(8 + n + header[name]["data_offsets"][0])
+        f.write(b"\xff" * 4)  # NaN in float32, bfloat16 and float16
+    return name
+
+
+DAMAGE = {
+    "truncated_shard": (lambda hf: os.truncate(sorted(hf.glob("*.safetensors"))[0],
+                                               os.path.getsize(sorted(hf.glob("*.safetensors"))[0]) - 100),
+                        "is cut short"),
+    "missing_shard": (lambda hf: sorted(hf.glob("*.safetensors"))[-1].unlink(), "which does not exist"),
+    "bad_header": (lambda hf: sorted(hf.glob("*.safetensors"))[1].write_bytes(struct.pack("<Q", 9) + b"{not json"),
+                   "malformed safetensors header"),
+    "malformed_index": (lambda hf: (hf / INDEX_NAME).write_text('{"weight_map": ['), "malformed index"),
+    "nan_weight": (_nan_weight, "NaN or Inf value"),
+    "generation_config": (lambda hf: (hf / "generation_config.json").write_text('{"eos_token_id": [2, null]}'),
+                          "generation_config.json: eos_token_id must be"),
+}
+
+
+@pytest.mark.parametrize("module,damage", [("generate", d) for d in DAMAGE] + [("evaluate", "truncated_shard")])
+def test_a_damaged_hf_directory_exits_2_naming_the_file(hf_shards, tmp_path, module, damage):
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_shards, hf)
+    make, message = DAMAGE[damage]
+    make(hf)
+    args = ["--prompt_ids=5,6", "--max_new_tokens=2"] if module == "generate" else [f"--data_path={DATA}"]
+    r = run(module, f"--ckpt={hf}", *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.startswith("error: ") and f" {hf}/" in r.stderr and message in r.stderr, r.stderr
+    assert len(r.stderr.splitlines()) == 1, r.stderr
 
 
 def test_generate_on_a_hf_ling3_saved_without_mtp(tmp_path):
@@ -133,6 +210,22 @@ def test_evaluate_json_equals_the_api(ckpts):
     assert r.stdout.splitlines()[0].split()[-1] == "ppl" and f"{want['loss']:.4f}" in r.stdout
     r = run("evaluate", f"--ckpt={ckpts / 'run'}", "--data_path=/nonexistent/prefix")
     assert r.returncode == 2 and "/nonexistent/prefix" in r.stderr
+
+
+def test_prompts_file_not_utf8_names_the_line_and_offset(ckpts, tmp_path):
+    f = tmp_path / "prompts.txt"
+    f.write_bytes(b"\xef\xbb\xbfhello\n\xff\xfe bad\n")
+    r = run("generate", f"--ckpt={ckpts}/run", f"--prompts_file={f}", "--max_new_tokens=2")
+    assert r.returncode == 2 and r.stderr == f"error: {f}:2: not UTF-8 (byte 0xff at offset 9)\n", r.stderr
+
+
+def test_prompts_file_with_a_byte_order_mark_reads_its_json_line(ckpts, tmp_path):
+    """The HF directory has no tokenizer, so a JSON line misread as text would exit 2."""
+    f = tmp_path / "prompts.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"ids": [5, 6, 7]}\n')
+    r = run("generate", f"--ckpt={ckpts}/hf", f"--prompts_file={f}", "--max_new_tokens=1", "--json")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["ids"][0]) == 1
 
 
 def test_prompts_file_ids_must_be_integers(ckpts, tmp_path):

@@ -12,7 +12,10 @@ when given. Bad input exits 2.
 """
 
 import json
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 from absl import app, flags
 
@@ -36,10 +39,40 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def check_out(out: Path) -> None:
+    """InferError naming --out when the result could not be written there, found before the evaluation
+    runs: `out` is a directory, or the nearest existing directory above it is not one or takes no file."""
+    from ling2.infer.load import InferError
+
+    if out.is_dir():
+        raise InferError(f"--out={out}: is a directory")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise InferError(f"--out={out}: not writable")
+    above = next(p for p in out.parents if p.exists())
+    if not above.is_dir():
+        raise InferError(f"--out={out}: {above} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=above):
+            pass
+    except OSError as e:
+        raise InferError(f"--out={out}: cannot write in {above}: {e.strerror or e}") from None
+
+
+def write_out(out: Path, text: str) -> None:
+    """Writes `text` to `out` (its directories made), InferError naming --out when that fails."""
+    from ling2.infer.load import InferError
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    except OSError as e:
+        raise InferError(f"--out={out}: cannot write: {e.strerror or e}") from None
+
+
 def main(argv):
     from absl import logging
 
-    logging.set_verbosity(logging.WARNING)  # library INFO chatter (orbax) off
+    logging.set_verbosity(logging.ERROR)  # orbax warns of the step's item-level metadata file it does not need
     from ling2.infer.evaluation import evaluate
     from ling2.infer.load import InferError, find_file, load_model
 
@@ -48,22 +81,21 @@ def main(argv):
             raise InferError("--ckpt is required (a run, step, state or Hugging Face directory)")
         if not FLAGS.data_path:
             raise InferError("--data_path is required (a .bin/.idx prefix or a blend)")
+        out = user_path(FLAGS.out) if FLAGS.out else None
+        if out is not None:
+            check_out(out)
         loaded = load_model(user_path(FLAGS.ckpt), *argv[1:])
         res = evaluate(loaded.model, loaded.cfg, FLAGS.data_path, find_file, FLAGS.split, FLAGS.max_batches,
                        log=lambda s: print(s, file=sys.stderr))
+        res["ckpt"] = str(loaded.path)
+        print(table(res))
+        text = json.dumps(res, indent=2)
+        if out is not None:
+            write_out(out, text + "\n")
     except InferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    res["ckpt"] = str(loaded.path)
-    print(table(res))
-    text = json.dumps(res, indent=2)
-    if FLAGS.out:
-        out = user_path(FLAGS.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-        print(f"wrote {out}")
-    else:
-        print(text)
+    print(f"wrote {out}" if out is not None else text)
     return 0
 
 

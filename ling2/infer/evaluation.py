@@ -10,6 +10,7 @@ Sample i of a blend comes from component dataset_index[i], which is how rows are
 """
 
 import math
+import os
 
 import jax
 import numpy as np
@@ -31,6 +32,19 @@ def _row_sums(graphdef, state, mb):
     return per_row(out.logits, mb["targets"], mb["loss_weights"])
 
 
+def check_fits(cfg, n: int, split: str) -> None:
+    """InferError naming --max_batches when the split sized for `n` batches (as the trainer sizes it) needs
+    index arrays larger than this host's memory, found before any is built: its sample and shuffle indices
+    take at least 12 bytes a sample."""
+    gbs = cfg.global_batch_size(1)
+    samples = pipeline.split_sample_counts(cfg.model_copy(update={"eval_steps": n}), 1)[SPLITS.index(split)]
+    need, have = 12 * samples, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > have:
+        raise InferError(f"--max_batches={n}: {n} batches of {gbs} sequences size the {split} split at {samples} "
+                         f"samples, index arrays of at least {need / 2**30:.1f} GiB, more than this host's "
+                         f"{have / 2**30:.1f} GiB of memory")
+
+
 def evaluate(model, cfg, data_path: str, find_file, split: str = "valid", max_batches: int | None = None,
              log=lambda s: None) -> dict:
     """{"loss", "perplexity", "tokens", "batches", "split", "data_path", "components": [...]}: loss is
@@ -40,6 +54,7 @@ def evaluate(model, cfg, data_path: str, find_file, split: str = "valid", max_ba
     n = cfg.eval_steps if max_batches is None else max_batches
     if n < 1:
         raise InferError(f"--max_batches={n}: must be >= 1")
+    check_fits(cfg, n, split)
     try:
         prefixes, weights = parse_data_path(data_path)
         resolved = resolve_data_path(data_path, find_file)

@@ -6,14 +6,16 @@
 
 DIR: a trainer run or step directory, a Ling2 state directory or a Hugging Face directory
 (`ling2.infer.load`). --prompt and --prompt_ids may repeat (one prompt each); --prompts_file
-holds one prompt per line, text or a JSON object {"prompt": TEXT} / {"ids": [...]}. Text goes
-through --tokenizer (default: the HF directory's tokenizer.json, else the config's
-tokenizer_path). key=value pairs override the checkpoint's config (e.g. dtype=bfloat16).
+holds one prompt per line (UTF-8, a leading byte order mark skipped), text or a JSON object
+{"prompt": TEXT} / {"ids": [...]}. The longest prompt plus --max_new_tokens may not exceed the
+model's max_position_embeddings. Text goes through --tokenizer (default: the HF directory's
+tokenizer.json, else the config's tokenizer_path). key=value pairs override the checkpoint's config (e.g. dtype=bfloat16).
 --json prints {"ids": [[new tokens], ...]} on stdout (statistics on stderr). Bad input exits 2,
 and so does --speculative_mtp on a HF directory without the MTP weights its config.json declares
 (transformers does not save a Ling 3 model's), which otherwise loads without MTP.
 """
 
+import codecs
 import json
 import sys
 
@@ -62,7 +64,14 @@ def read_prompts() -> list:
         path = user_path(FLAGS.prompts_file)
         if not path.is_file():
             raise InferError(f"--prompts_file={path}: no such file")
-        for n, line in enumerate(path.read_text().splitlines(), start=1):
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            at = e.start + (len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0)
+            n = data.count(b"\n", 0, at) + 1
+            raise InferError(f"{path}:{n}: not UTF-8 (byte 0x{data[at]:02x} at offset {at})") from None
+        for n, line in enumerate(text.splitlines(), start=1):
             line = line.rstrip("\n")
             if not line.strip():
                 continue
@@ -85,6 +94,18 @@ def read_prompts() -> list:
     if not prompts:
         raise InferError("no prompt: give --prompt, --prompt_ids or --prompts_file")
     return prompts
+
+
+def check_length(ids: list, max_new_tokens: int, max_positions: int) -> None:
+    """InferError naming --max_new_tokens when the longest prompt plus the new tokens runs past the positions
+    the model is configured for (the trainer refuses such sequence lengths too)."""
+    from ling2.infer.load import InferError
+
+    longest = max(len(p) for p in ids)
+    if longest + max_new_tokens > max_positions:
+        raise InferError(f"--max_new_tokens={max_new_tokens}: the longest prompt ({longest} tokens) plus the new "
+                         f"tokens ({longest + max_new_tokens}) exceed the model's max_position_embeddings="
+                         f"{max_positions}; lower --max_new_tokens to at most {max(max_positions - longest, 0)}")
 
 
 def load_tokenizer(loaded, needed: bool):
@@ -117,7 +138,7 @@ def load_tokenizer(loaded, needed: bool):
 def main(argv):
     from absl import logging
 
-    logging.set_verbosity(logging.WARNING)  # library INFO chatter (orbax) off
+    logging.set_verbosity(logging.ERROR)  # orbax warns of the step's item-level metadata file it does not need
     from ling2.infer.generation import Sampling, check_sampling
     from ling2.infer.load import InferError, load_model
 
@@ -134,6 +155,7 @@ def main(argv):
         for i, p in enumerate(ids):
             if not p:
                 raise InferError(f"prompt {i}: empty (a prompt needs at least one token)")
+        check_length(ids, FLAGS.max_new_tokens, loaded.cfg.max_position_embeddings)
 
         from ling2.infer.generation import generate
 

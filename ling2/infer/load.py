@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from ling2.checkpoint.manager import saved_config, verify
-from ling2.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, ShardedReader
+from ling2.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, SafetensorsError, ShardedReader
 from ling2.checkpoint.state import (CONFIG_NAME, STATE_NAME, CheckpointError, check_shapes, flat, load_state,
                                     model_leaves, read_config, relayout)
 from ling2.config import ConfigError, load_config
@@ -75,18 +75,34 @@ def find_file(p: str) -> Path:
 HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
-def hf_stop_ids(path: Path, hf: dict) -> tuple:
-    """eos_token_id of generation_config.json (what transformers' generate stops at), else config.json's."""
-    gen = path / "generation_config.json"
-    eos = hf.get("eos_token_id")
-    if gen.is_file():
-        try:
-            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
-        except json.JSONDecodeError as e:
-            raise InferError(f"{gen}: malformed JSON: {e}") from None
+def _token_ids(eos, where: str) -> tuple:
+    """An eos_token_id value (an id, a list of ids or null) as a tuple; InferError naming `where` otherwise."""
     if eos is None:
         return ()
-    return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+    ids = eos if isinstance(eos, list) else [eos]
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+    if bad:
+        raise InferError(f"{where}: eos_token_id must be a token id or a list of them, got {eos!r} ({bad[0]!r} is "
+                         "not a token id)")
+    return tuple(ids)
+
+
+def hf_stop_ids(path: Path, hf: dict) -> tuple:
+    """eos_token_id of generation_config.json (what transformers' generate stops at), else config.json's;
+    InferError naming the file and the field when either is malformed."""
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            obj = json.loads(gen.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise InferError(f"{gen}: not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+        except json.JSONDecodeError as e:
+            raise InferError(f"{gen}: malformed JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise InferError(f"{gen}: top level must be a JSON object, got {type(obj).__name__}")
+        if "eos_token_id" in obj:
+            return _token_ids(obj["eos_token_id"], str(gen))
+    return _token_ids(hf.get("eos_token_id"), str(path / "config.json"))
 
 
 def latest_step_dir(run_dir: Path) -> Path:
@@ -166,6 +182,7 @@ def load_model(ckpt, *overrides, progress: bool = False, need_mtp: bool = False)
     try:
         if kind == "hf":
             hf = convert.read_hf_config(path)
+            stop_ids = hf_stop_ids(path, hf)
             layout = hf_config.detect_layout(hf)
             dtype = HF_DTYPES.get(str(hf.get("torch_dtype", hf.get("dtype", ""))), "float32")
             cfg = hf_config.load_ling2_config(hf, layout, {"dtype": dtype}, *overrides, INFER_OVERRIDES)
@@ -175,7 +192,7 @@ def load_model(ckpt, *overrides, progress: bool = False, need_mtp: bool = False)
                 cfg = hf_config.load_ling2_config(hf, layout, {"dtype": dtype}, *overrides, INFER_OVERRIDES,
                                                   {"mtp_num_layers": 0})
             state = convert.hf_to_state(reader, cfg, layout, progress=progress)
-            return Loaded(cfg, _model(cfg, state), kind, path, hf_stop_ids(path, hf))
+            return Loaded(cfg, _model(cfg, state), kind, path, stop_ids)
         if kind == "state":
             saved, cfg = read_config(path / CONFIG_NAME), read_config(path / CONFIG_NAME, *overrides, INFER_OVERRIDES)
         else:
@@ -187,6 +204,6 @@ def load_model(ckpt, *overrides, progress: bool = False, need_mtp: bool = False)
                      f"{step_dir} (with the overrides {list(overrides)})")
         if saved.scan_layers != cfg.scan_layers:
             state = relayout(state, saved, cfg)
-    except (CheckpointError, ConfigError, convert.ConversionError, hf_config.HFConfigError) as e:
+    except (CheckpointError, ConfigError, convert.ConversionError, hf_config.HFConfigError, SafetensorsError) as e:
         raise InferError(f"--ckpt={step_dir}: {e}") from e
     return Loaded(cfg, _model(cfg, state), kind, step_dir, (cfg.eod_id,))

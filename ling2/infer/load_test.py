@@ -147,6 +147,27 @@ def test_hf_stop_ids_follow_generation_config_then_config(tmp_path):
         hf_stop_ids(tmp_path, {})
 
 
+@pytest.mark.parametrize("text,message", [
+    (b'{"eos_token_id": "abc"}', "generation_config.json: eos_token_id must be a token id or a list of them, "
+                                 "got 'abc'"),
+    (b'{"eos_token_id": [2, null]}', "generation_config.json: eos_token_id must be a token id or a list of them, "
+                                     "got [2, None] (None is not a token id)"),
+    (b'{"eos_token_id": [2, -1]}', "(-1 is not a token id)"),
+    (b"[1, 2]", "generation_config.json: top level must be a JSON object, got list"),
+    (b'{"eos_token_id": 2, "x": "\xff"}', "generation_config.json: not UTF-8 (byte 0xff at offset 26)"),
+])
+def test_a_bad_generation_config_names_the_file_and_field(tmp_path, text, message):
+    (tmp_path / "generation_config.json").write_bytes(text)
+    with pytest.raises(InferError) as e:
+        hf_stop_ids(tmp_path, {"eos_token_id": 9})
+    assert message in str(e.value)
+
+
+def test_a_bad_eos_token_id_in_config_json_is_named(tmp_path):
+    with pytest.raises(InferError, match=r"config.json: eos_token_id must be .* got True"):
+        hf_stop_ids(tmp_path, {"eos_token_id": True})
+
+
 @pytest.mark.parametrize("where", ["run", "run/checkpoints/7"])
 def test_a_step_is_checksummed_once(saved, where, monkeypatch):
     """Loading reads each state file once for its checksum, also when a run directory's latest step was just
