@@ -233,3 +233,22 @@ def test_prompts_file_ids_must_be_integers(ckpts, tmp_path):
     f.write_text('{"ids": [1, 2]}\n{"ids": ["a", 3]}\n')
     r = run("generate", f"--ckpt={ckpts}/run", f"--prompts_file={f}", "--max_new_tokens=2")
     assert r.returncode == 2 and f"{f}:2: \"ids\" must be integers, got 'a'" in r.stderr, r.stderr
+
+
+def test_max_new_tokens_follows_the_trainers_position_rule():
+    """The trainer bounds sequences by max_position_embeddings only without RoPE scaling; generate does the
+    same: 1024 positions refuse 2 + 1023 tokens with rope_type default and allow them with YaRN, and a count
+    past int32 is refused with either."""
+    import types
+
+    from ling2.infer.generate import check_length
+    from ling2.infer.load import InferError
+
+    cfg = lambda rope: types.SimpleNamespace(rope_type=rope, max_position_embeddings=1024)  # noqa: E731
+    check_length([[1, 2]], 1022, cfg("default"))
+    with pytest.raises(InferError, match="exceed the model's max_position_embeddings=1024; lower --max_new_tokens to "
+                                         "at most 1022"):
+        check_length([[1, 2]], 1023, cfg("default"))
+    check_length([[1, 2]], 1023, cfg("yarn"))
+    with pytest.raises(InferError, match=r"exceed 2147483647 \(int32\)"):
+        check_length([[1, 2]], 2**31, cfg("yarn"))

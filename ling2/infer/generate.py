@@ -96,16 +96,21 @@ def read_prompts() -> list:
     return prompts
 
 
-def check_length(ids: list, max_new_tokens: int, max_positions: int) -> None:
+def check_length(ids: list, max_new_tokens: int, cfg) -> None:
     """InferError naming --max_new_tokens when the longest prompt plus the new tokens runs past the positions
-    the model is configured for (the trainer refuses such sequence lengths too)."""
+    a model without RoPE scaling is configured for, the rule the trainer applies to its sequence length (with
+    YaRN positions past max_position_embeddings are the scaling's business, as in training); a count past
+    int32 is refused whatever the RoPE."""
     from ling2.infer.load import InferError
 
     longest = max(len(p) for p in ids)
+    default = cfg.rope_type == "default"
+    max_positions = cfg.max_position_embeddings if default else 2**31 - 1
     if longest + max_new_tokens > max_positions:
+        what = f"the model's max_position_embeddings={max_positions}" if default else f"{max_positions} (int32)"
         raise InferError(f"--max_new_tokens={max_new_tokens}: the longest prompt ({longest} tokens) plus the new "
-                         f"tokens ({longest + max_new_tokens}) exceed the model's max_position_embeddings="
-                         f"{max_positions}; lower --max_new_tokens to at most {max(max_positions - longest, 0)}")
+                         f"tokens ({longest + max_new_tokens}) exceed {what}; lower --max_new_tokens to at most "
+                         f"{max(max_positions - longest, 0)}")
 
 
 def load_tokenizer(loaded, needed: bool):
@@ -155,7 +160,7 @@ def main(argv):
         for i, p in enumerate(ids):
             if not p:
                 raise InferError(f"prompt {i}: empty (a prompt needs at least one token)")
-        check_length(ids, FLAGS.max_new_tokens, loaded.cfg.max_position_embeddings)
+        check_length(ids, FLAGS.max_new_tokens, loaded.cfg)
 
         from ling2.infer.generation import generate
 
