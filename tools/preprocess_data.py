@@ -21,14 +21,12 @@ stderr naming the file and line, and exit status 2.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import multiprocessing
 import os
 import re
 import sys
 import time
-import zlib
 from typing import Iterator, Optional
 
 import numpy as np
@@ -37,13 +35,12 @@ from tokenizers import Tokenizer
 
 from ling2.data import indexed
 from ling2.data.errors import DataError
+from ling2.data.jsonl import json_type, lines
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
 _ABBREV = re.compile(r"(?:\b(?:Mr|Mrs|Ms|Dr|St|Sr|Jr|Prof|Rev|Capt|Col|Gen|Lt|Mt|vs|etc|"
                      r"e\.g|i\.e)|\b[A-Z])\.$")
 _EOD_NAMES = ("<eod>", "<|endoftext|>", "</s>", "<eos>", "[EOS]")
-_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number",
-               float: "a number", bool: "a boolean", type(None): "null"}
 
 
 def split_sentences(text: str) -> list[str]:
@@ -90,14 +87,14 @@ class Encoder:
         except json.JSONDecodeError as e:
             return None, str(e), len(line)
         if not isinstance(data, dict):
-            return None, f"expected a JSON object, got {_JSON_TYPES[type(data)]}", len(line)
+            return None, f"expected a JSON object, got {json_type(data)}", len(line)
         ids, lens = {}, {}
         for key in self.args.json_keys:
             if key not in data:
                 return None, f"missing key {key!r}", len(line)
             text = data[key]
             if not isinstance(text, str):
-                what = _JSON_TYPES[type(text)]
+                what = json_type(text)
                 return None, f"key {key!r}: expected a string, got {what}", len(line)
             parts = split_sentences(text) if self.args.split_sentences else [text]
             try:
@@ -121,33 +118,13 @@ class Encoder:
         return ids, lens, len(line)
 
 
-def _lines(path: str) -> Iterator[str]:
-    """Every line (blank ones too, so that results count file lines), decoded one at a time so
-    that a bad byte is named by its line."""
-    opener = gzip.open if path.endswith(".gz") else open
-    try:
-        f = opener(path, "rb")
-    except OSError as e:
-        raise DataError(f"{path}: cannot open: {e.strerror or e}") from None
-    n = 0
-    try:
-        with f:
-            for n, raw in enumerate(f, 1):
-                yield raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: line {n}: not UTF-8: byte offset {e.start} in the line is "
-                        f"{raw[e.start:e.start + 1]!r}") from None
-    except (EOFError, OSError, zlib.error) as e:  # a truncated or corrupt .gz
-        raise DataError(f"{path}: unreadable after line {n}: {e}") from None
-
-
-def _encoded(lines: Iterator[str], encoder: "Encoder", pool, block: int = 4096):
+def _encoded(raw: Iterator[str], encoder: "Encoder", pool, block: int = 4096):
     """Encoded lines in order; at most two blocks of lines are in memory at once."""
     if pool is None:
-        yield from map(encoder.encode, lines)
+        yield from map(encoder.encode, raw)
         return
     pending, buf = None, []
-    for line in lines:
+    for line in raw:
         buf.append(line)
         if len(buf) == block:
             job = pool.map_async(encoder.encode, buf, chunksize=32)
@@ -249,7 +226,7 @@ def _tokenize(args, builders: dict) -> int:
         pool = multiprocessing.get_context("fork").Pool(args.workers, encoder.initializer)
     else:
         encoder.initializer()
-    docs = _encoded(_lines(args.input), encoder, pool)
+    docs = _encoded(lines(args.input), encoder, pool)
     tokens, n_docs = dict.fromkeys(builders, 0), 0
     bar = tqdm.tqdm(unit="tok", unit_scale=True, disable=args.quiet, desc="tokens")
     try:

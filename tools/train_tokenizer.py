@@ -12,14 +12,15 @@ lacks the key) is one `error:` line on stderr naming the file and line, and exit
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import sys
-import zlib
 from typing import Iterator
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ling2.data.errors import DataError
+from ling2.data.jsonl import json_type, lines
 
 SPECIAL = ["<pad>", "<bos>", "<eod>"]
 
@@ -29,47 +30,27 @@ class InputError(ValueError):
     line and exits 2."""
 
 
-_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number",
-               float: "a number", bool: "a boolean", type(None): "null"}
-
-
 def texts(path: str, key: str) -> Iterator[str]:
     """The `key` string of every JSON-object line of `path` (`.gz` too); blank lines skipped."""
-    opener = gzip.open if path.endswith(".gz") else open
-    try:
-        f = opener(path, "rb")
-    except OSError as e:
-        raise InputError(f"{path}: cannot open: {e.strerror or e}") from None
-    n = 0
-    try:
-        with f:
-            for n, raw in enumerate(f, 1):
-                line = raw.decode("utf-8")
-                if not line.strip():
-                    continue
-                try:
-                    data = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{path}: line {n}: {e}") from None
-                if not isinstance(data, dict):
-                    raise InputError(f"{path}: line {n}: expected a JSON object, got "
-                                     f"{_JSON_TYPES[type(data)]}")
-                if key not in data:
-                    raise InputError(f"{path}: line {n}: missing key {key!r}")
-                if not isinstance(data[key], str):
-                    raise InputError(f"{path}: line {n}: key {key!r}: expected a string, got "
-                                     f"{_JSON_TYPES[type(data[key])]}")
-                try:
-                    data[key].encode("utf-8")
-                except UnicodeEncodeError as e:  # a valid JSON escape that tokenizers rejects
-                    raise InputError(f"{path}: line {n}: key {key!r}: unpaired surrogate at "
-                                     f"character {e.start} (not valid Unicode)") from None
-                yield data[key]
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path}: line {n}: not UTF-8: byte offset {e.start} in the line is "
-                         f"{raw[e.start:e.start + 1]!r}") from None
-    except (EOFError, OSError, zlib.error) as e:  # a truncated or corrupt .gz
-        raise InputError(f"{path}: unreadable after line {n}: {e}") from None
+    for n, line in enumerate(lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}: line {n}: {e}") from None
+        if not isinstance(data, dict):
+            raise InputError(f"{path}: line {n}: expected a JSON object, got {json_type(data)}")
+        if key not in data:
+            raise InputError(f"{path}: line {n}: missing key {key!r}")
+        if not isinstance(data[key], str):
+            raise InputError(f"{path}: line {n}: key {key!r}: expected a string, got {json_type(data[key])}")
+        try:
+            data[key].encode("utf-8")
+        except UnicodeEncodeError as e:  # a valid JSON escape that tokenizers rejects
+            raise InputError(f"{path}: line {n}: key {key!r}: unpaired surrogate at character {e.start} "
+                             "(not valid Unicode)") from None
+        yield data[key]
 
 
 def train(inputs: list[str], vocab_size: int = 8192, key: str = "text",
@@ -109,7 +90,7 @@ def main(argv=None):
             tok.save(a.output)
         except Exception as e:  # the tokenizers library raises a bare Exception for an OS error
             raise InputError(f"--output {a.output}: cannot write: {e}") from None
-    except InputError as e:
+    except (InputError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{a.output}: vocab {tok.get_vocab_size()}")
