@@ -203,13 +203,22 @@ def check_enough_tokens(tokens: int, seq_length: int, add: int, num_samples: Opt
             f"sequence length {seq_length} (+{add} extra token)")
 
 
+def min_index_bytes(samples: int, epochs: int = 0, num_sequences: int = 0) -> int:
+    """The smallest size of a split's index arrays (int32 everywhere): the document index tiled `epochs`
+    times over `num_sequences`, the sample index ([samples + 1, 2]) and the shuffle index."""
+    return 4 * (epochs * num_sequences + (samples + 1) * 2 + samples)
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def check_index_fits(num_sequences: int, epochs: int, num_samples: Optional[int], name: str) -> None:
-    """DataError when the split's index arrays (the document index tiled `epochs` times, the sample and
-    shuffle indices), at their smallest, would not fit this host's memory: a run asking for far more samples
-    than it means to (steps=1e11) is named before numpy tries to allocate terabytes."""
+    """DataError when the split's index arrays, at their smallest, would not fit this host's memory: a run
+    asking for far more samples than it means to (steps=1e11) is named before numpy tries to allocate
+    terabytes, and a run that fits is never refused."""
     samples = num_samples or 0
-    need = 4 * (epochs * num_sequences + (samples + 1) * 2 + samples)  # int32 everywhere: a lower bound
-    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    need, have = min_index_bytes(samples, epochs, num_sequences), host_memory_bytes()
     if need > have:
         raise DataError(f"{name}: {samples} samples take {epochs} epochs over the split, index arrays of at "
                         f"least {need / 2**30:.1f} GiB, more than this host's {have / 2**30:.1f} GiB of memory "

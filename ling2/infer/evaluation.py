@@ -10,13 +10,12 @@ Sample i of a blend comes from component dataset_index[i], which is how rows are
 """
 
 import math
-import os
 
 import jax
 import numpy as np
 from flax import nnx
 
-from ling2.data import pipeline
+from ling2.data import gpt_index, pipeline
 from ling2.data.blend import BlendedDataset, parse_data_path
 from ling2.data.gpt_index import SPLITS
 from ling2.infer.load import InferError
@@ -34,11 +33,10 @@ def _row_sums(graphdef, state, mb):
 
 def check_fits(cfg, n: int, split: str) -> None:
     """InferError naming --max_batches when the split sized for `n` batches (as the trainer sizes it) needs
-    index arrays larger than this host's memory, found before any is built: its sample and shuffle indices
-    take at least 12 bytes a sample."""
+    index arrays larger than this host's memory, found before any is built."""
     gbs = cfg.global_batch_size(1)
     samples = pipeline.split_sample_counts(cfg.model_copy(update={"eval_steps": n}), 1)[SPLITS.index(split)]
-    need, have = 12 * samples, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    need, have = gpt_index.min_index_bytes(samples), gpt_index.host_memory_bytes()
     if need > have:
         raise InferError(f"--max_batches={n}: {n} batches of {gbs} sequences size the {split} split at {samples} "
                          f"samples, index arrays of at least {need / 2**30:.1f} GiB, more than this host's "
