@@ -91,11 +91,6 @@ def main(argv):
     try:
         out = output_path(FLAGS.out, path)
         rows = read_metrics(path)
-    except UnicodeDecodeError as e:
-        line = e.object[:e.start].count(b"\n") + 1
-        print(f"error: {path}:{line}: not UTF-8 (byte {e.object[e.start:e.start + 1]!r} at offset {e.start})",
-              file=sys.stderr)
-        return 2
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

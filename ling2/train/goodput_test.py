@@ -81,7 +81,7 @@ def test_bytes_that_are_not_utf8_are_not_records(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(lines[0] + b"\n" + lines[1] + b"\n\xff\xfe garbage\n" + lines[2] + b"\n")
     assert goodput.lost_work(path, 1) == (2.5 + 3.0, 2)
-    with pytest.raises(ValueError, match=rf"{path}: not UTF-8 \(byte b'\\xff' at offset {len(lines[0]) + len(lines[1]) + 2}\)"):
+    with pytest.raises(ValueError, match=rf"{path}:3: not UTF-8 \(byte b'\\xff' at offset {len(lines[0]) + len(lines[1]) + 2}\)"):
         read_metrics(path)
     assert truncate_metrics(path, 2) == 2
     assert path.read_bytes() == lines[0] + b"\n" + lines[1] + b"\n"

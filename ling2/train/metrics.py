@@ -95,7 +95,9 @@ def read_metrics(path) -> list[dict]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 (byte {e.object[e.start:e.start + 1]!r} at offset {e.start})") from None
+        line = e.object[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 (byte {e.object[e.start:e.start + 1]!r} at offset {e.start})") \
+            from None
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
