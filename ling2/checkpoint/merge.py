@@ -153,14 +153,10 @@ def merge(step_dirs, weights, out_dir, log=print) -> Path:
     cfg = same_model(configs)
     sources = [Source(d, configs[d]) for d in dirs]
     leaves = model_leaves(cfg)
-    writer = state_writer(out_dir, cfg)
-    try:
+    with state_writer(out_dir, cfg) as writer:  # a failure leaves out_dir's old contents
         for path, leaf in leaves.items():
             writer.add(key(path), merged_leaf(sources, w, path, leaf))
         writer.close()
-    except BaseException:  # the old contents of out_dir stay
-        writer.abort()
-        raise
     log(f"merged {len(dirs)} checkpoints ({', '.join(f'{c:.4g}' for c in w)}) into {Path(out_dir).absolute()}: "
         f"{len(leaves)} tensors")
     return Path(out_dir).absolute()

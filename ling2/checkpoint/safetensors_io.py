@@ -383,7 +383,19 @@ def _pwrite(fd: int, data, offset: int) -> None:
         mv, offset = mv[n:], offset + n
 
 
-class PlannedWriter:
+class AbortOnError:
+    """`with writer:` aborts the writer (nothing half-written left) when the block raises; the block
+    calls `close()` itself."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        if kind is not None:
+            self.abort()
+
+
+class PlannedWriter(AbortOnError):
     """Sharded safetensors whose tensors (name, shape, dtype) are all known before any is written.
 
     The constructor splits `specs` into shards of at most `shard_bytes` (a larger tensor gets

@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
 
-from ling2.checkpoint.safetensors_io import INDEX_NAME, PlannedWriter, SafetensorsError, ShardedReader
+from ling2.checkpoint.safetensors_io import INDEX_NAME, AbortOnError, PlannedWriter, SafetensorsError, ShardedReader
 from ling2.config import ConfigError, load_config, to_yaml
 from ling2.config.loader import load_yaml, without_removed
 from ling2.layers.model import abstract_model
@@ -126,7 +126,7 @@ def _not_a_state_dir(out: Path) -> str | None:
     return None
 
 
-class StateWriter:
+class StateWriter(AbortOnError):
     """Writes a state directory (see the module doc): the tensors go to a hidden sibling of `state/`, which
     replaces `state/` (and config.yml) only at `close()`, so a failed, interrupted or killed write leaves the
     directory as it was. Refuses a directory holding anything else (a trainer step) before writing a byte."""
@@ -183,14 +183,10 @@ def save_state(out_dir, state: dict, cfg) -> Path:
     leaves = model_leaves(cfg)
     items = {tuple(map(str, p)): v for p, v in flat(state).items()}
     check_shapes({p: np.shape(v) for p, v in items.items()}, leaves, "state")
-    writer = state_writer(out_dir, cfg)
-    try:
+    with state_writer(out_dir, cfg) as writer:
         for p in leaves:
             writer.add(key(p), np.asarray(items[tuple(map(str, p))]))
         writer.close()
-    except BaseException:
-        writer.abort()
-        raise
     return Path(out_dir).absolute()
 
 

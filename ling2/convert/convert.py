@@ -244,12 +244,9 @@ def convert_hf_to_ling2(hf_dir, out_dir, *, scan_layers: bool = False, dtype: st
     plan = _plan(reader, cfg, layout, allow_missing_mtp)
     writer = state_writer(out_dir, cfg, [e.path for e, _ in plan[1]])
     reader.map_pages = writer.lib is None  # the native writer maps and drops each block's pages itself
-    try:
+    with writer:  # a tensor found damaged on the way: nothing half-written left to load
         _hf_to_sink(reader, cfg, layout, writer, allow_missing_mtp, progress, plan)
         writer.close()
-    except BaseException:  # a tensor found damaged on the way: nothing half-written left to load
-        writer.abort()
-        raise
     code = [Path(hf_dir) / m for m in auto_map_modules(hf) if (Path(hf_dir) / m).is_file()]
     if code:
         (Path(out_dir) / HF_CODE).mkdir(exist_ok=True)
@@ -287,12 +284,9 @@ def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "auto", config=None,
     writer = PlannedWriter(out, hf_specs(cfg, layout, np_dtype), shard_bytes)
     if isinstance(state, ShardedReader):
         state.map_pages = writer.lib is None  # the native writer maps and drops each block's pages itself
-    try:
+    with writer:  # no half-written shards left to load
         state_to_hf(state, cfg, layout, writer, progress, np_dtype)
         index = writer.close()
-    except BaseException:  # no half-written shards left to load
-        writer.abort()
-        raise
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     for f in sorted((Path(ckpt_dir) / HF_CODE).glob("*.py")):
         shutil.copyfile(f, out / f.name)
