@@ -1,7 +1,8 @@
 """The flagship (Ling-2.5-1T / Ring-2.5-1T) at its real size, abstractly: its config.json (reconstructed:
 ling2/convert/testing/ling2.5-1t_config.md) reads into configs/models/ling2.5-1t.yml and back unchanged, Ling2's
 count of it is the model card's 1T total / 63B active, and the converter's names and shapes for every one of
-its 60,199 HF tensors, MTP included, follow from the config's widths (shapes only: nothing materialised)."""
+its 60,199 HF tensors, MTP included, follow from the config's widths (shapes only: nothing materialised), and split
+8 ways they are the shapes SGLang was seen serving."""
 
 import json
 import math
@@ -84,3 +85,34 @@ def test_decode_cache_per_token_is_the_published_figure():
     per_token = three - two
     assert per_token == 10 * (512 + 64) * 2 == 11_520
     assert round(per_token / 1024, 1) == 11.2  # the gallery's figure, rounded as it prints it
+
+
+def test_tensor_parallel_shards_are_the_served_shapes():
+    """Independent of the reconstructed config: torch-profiler shape samples of SGLang serving Ring-2.5-1T on 8 B200s
+    at tensor parallelism 8 (a public collection of kernel tasks, folder `llm/ring_25_1t/b200`) show, per rank: the
+    fused MoE's expert weights [256, 512, 8192] (gate and up) and [256, 8192, 256] (down), top-8 ids [N, 8] and the
+    scaling 2.5; the dense MLP's fused gate/up GEMM [8192, 4608]; the shared expert's activation [N, 512] -> [N, 256];
+    the router GEMM [8192, 256] in fp32; the attention output [N, 1024] before an all-reduce of [N, 8192]. Ling2's HF
+    shapes split as SGLang splits them (column-parallel rows, row-parallel columns) must give exactly those."""
+    cfg = load_config(model_name="ling2.5-1t")
+    specs = {n: s for n, s, _ in hf_specs(cfg, "bailing")}
+    tp = 8
+
+    def rows(*names):
+        return sum(specs[n][0] for n in names) // tp
+
+    moe, dense = "model.layers.79.mlp.", "model.layers.0.mlp."
+    gate_up = [f"{moe}experts.0.gate_proj.weight", f"{moe}experts.0.up_proj.weight"]
+    w13 = (cfg.num_experts, rows(*gate_up), specs[gate_up[0]][1])
+    w2 = (cfg.num_experts, specs[f"{moe}experts.0.down_proj.weight"][0],
+          specs[f"{moe}experts.0.down_proj.weight"][1] // tp)
+    assert (w13, w2) == ((256, 512, 8192), (256, 8192, 256))
+    assert (cfg.num_experts_per_tok, cfg.routed_scaling_factor) == (8, 2.5)
+    assert (specs[f"{dense}gate_proj.weight"][1], rows(f"{dense}gate_proj.weight", f"{dense}up_proj.weight")) == \
+        (8192, 4608)
+    shared = [f"{moe}shared_experts.gate_proj.weight", f"{moe}shared_experts.up_proj.weight"]
+    assert (rows(*shared), rows(shared[0])) == (512, 256)
+    assert specs[f"{moe}gate.weight"][::-1] == (8192, 256)
+    for layer in (0, 7):  # a linear-attention layer and an MLA layer
+        out = specs[f"model.layers.{layer}.attention.dense.weight"]
+        assert (out[1] // tp, out[0]) == (1024, 8192)
