@@ -1,7 +1,8 @@
 """What the benchmarks report, one way: XLA's planned device memory, round-robin timing, the
-host's facts, and where a results JSON goes."""
+host's facts, and where and how a results JSON is written."""
 
 import datetime
+import json
 import os
 import platform
 import time
@@ -27,6 +28,25 @@ def time_round_robin(fns, repeats: int) -> list[float]:
             jax.block_until_ready(fn())
             times[i].append(time.perf_counter() - t0)
     return [float(np.median(t)) for t in times]
+
+
+def median_seconds(fn, args, repeats: int, slow_seconds: float = 2.0) -> float:
+    """Median seconds of `repeats` runs of a compiled fn(*args) after a warm-up run; a warm-up slower than
+    slow_seconds is the answer (one sample for very slow cases)."""
+    import jax
+    import numpy as np
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    if first > slow_seconds:
+        return first
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 def queued_seconds(f, args, calls: int = 10, batches: int = 3) -> float:
@@ -77,3 +97,15 @@ def results_path(out: str, package: str, name: str) -> str:
         return str(user_path(out))
     ws = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
     return os.path.join(ws, "tools", "bench", package, name) if ws else name
+
+
+def write_results(result: dict, out: str, package: str, name: str) -> str:
+    """Writes `result` as JSON to `results_path(out, package, name)` whole or not at all (a temporary file
+    renamed over it, so a bench killed while writing leaves the previous results), says where, returns the path."""
+    path = results_path(out, package, name)
+    tmp = f"{path}.partial"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+    print(f"wrote {path}")
+    return path

@@ -27,7 +27,7 @@ from ling2.train import hlo_traffic, loop, runtime  # noqa: E402
 from ling2.train.state import abstract_state, init_state  # noqa: E402
 from ling2.train import step as step_lib  # noqa: E402
 from ling2.layers.spec import ModelSpec  # noqa: E402
-from tools.bench.report import host_facts, results_path, time_round_robin  # noqa: E402
+from tools.bench.report import host_facts, time_round_robin, write_results  # noqa: E402
 
 MiB = 2**20
 
@@ -120,11 +120,8 @@ def main():
     for p in plans:
         print(f"{p['plan']}: {p['total_gib']:.2f} GiB per chip, fits {p['fits']}; context-axis collectives "
               f"{p['context_axis_mib_per_layer']:.1f} MiB per layer per chip; roofline {p['roofline_step_s']:.2f} s")
-    out = results_path(a.out, "cp", "results_cpu.json")
-    with open(out, "w") as f:
-        json.dump({**host_facts(), "model": a.model, "seq": a.seq, "rows": a.rows, "cases": rows, "plans": plans},
-                  f, indent=1)
-    print(f"wrote {out}")
+    write_results({**host_facts(), "model": a.model, "seq": a.seq, "rows": a.rows, "cases": rows, "plans": plans},
+                  a.out, "cp", "results_cpu.json")
 
 
 if __name__ == "__main__":

@@ -14,15 +14,13 @@ op and cuDNN attention.
 """
 
 import argparse
-import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ling2.kernels import gla
-from tools.bench.report import host_facts, planned_bytes, results_path
+from tools.bench.report import host_facts, median_seconds, planned_bytes, write_results
 
 
 def _planned_bytes(compiled):
@@ -30,22 +28,6 @@ def _planned_bytes(compiled):
     if m is None:
         return None
     return planned_bytes(m)
-
-
-def _time(fn, args, repeats, slow_seconds=2.0):
-    """Median seconds of `repeats` runs of a compiled fn after a warm-up; a warm-up slower than
-    slow_seconds is the answer (one sample for very slow cases)."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))  # already compiled: the warm-up is a real run
-    first = time.perf_counter() - t0
-    if first > slow_seconds:
-        return first
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def _gla_fn(backend, mode, per_head=False, **kw):
@@ -87,7 +69,7 @@ def run_cpu(args):
                 elif f"{name}_{mode}" in args.skip.get(T, ()):
                     row["skipped"] = "not in the default run (use --full)"
                 else:
-                    row["seconds"] = _time(compiled, ins, args.repeats)
+                    row["seconds"] = median_seconds(compiled, ins, args.repeats)
                 rows.append(row)
                 _print_row(row)
     base = {(r["T"], r["mode"]): r.get("seconds") for r in rows if r["impl"] == "chunked"}
@@ -107,7 +89,7 @@ def forward_bound(rows, H=4, K=128, V=128, C=64, speedup=5.0, n=2048):
     """
     x = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
     mm = jax.jit(lambda a: a @ a).lower(x).compile()
-    peak = 2 * n**3 / _time(mm, (x,), 5)
+    peak = 2 * n**3 / median_seconds(mm, (x,), 5)
     out = []
     for r in rows:
         if r["impl"] != "naive" or r["mode"] != "fwd" or not r.get("seconds"):
@@ -153,10 +135,8 @@ def main():
     result = {**host_facts(), "rows": rows}
     print("\nforward bound (chunked >= 5x naive needs this fraction of the dense matmul rate):")
     result["forward_bound"] = forward_bound(rows)
-    out = results_path(args.out, "gla", f"results_{jax.default_backend()}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"\nwrote {out}")
+    print()
+    write_results(result, args.out, "gla", f"results_{jax.default_backend()}.json")
 
 
 if __name__ == "__main__":

@@ -17,31 +17,13 @@ On a GPU, tools/bench/gpu times the Pallas GPU kernel against flash-linear-atten
 """
 
 import argparse
-import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ling2.kernels import kda
-from tools.bench.report import host_facts, planned_bytes, results_path
-
-
-def _time(fn, args, repeats, slow_seconds=2.0):
-    """Median seconds of `repeats` runs of a compiled fn after a warm-up; a warm-up slower than
-    slow_seconds is the answer (one sample for very slow cases)."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - t0
-    if first > slow_seconds:
-        return first
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+from tools.bench.report import host_facts, median_seconds, planned_bytes, write_results
 
 
 def _fn(backend, mode):
@@ -78,7 +60,7 @@ def run(args):
                 if mem is not None and planned_bytes(mem) > args.mem_limit_gb * 2**30:
                     row["skipped"] = f"planned {planned_bytes(mem) / 2**30:.1f} GB > --mem_limit_gb {args.mem_limit_gb}"
                 else:
-                    row["seconds"] = _time(compiled, ins, args.repeats)
+                    row["seconds"] = median_seconds(compiled, ins, args.repeats)
                 rows.append(row)
                 _print_row(row)
     base = {(r["T"], r["mode"]): r.get("seconds") for r in rows if r["impl"] == args.backends[0]}
@@ -167,10 +149,8 @@ def main():
     result = {**host_facts(),
               "shape": {"B": args.batch, "H": args.heads, "K": args.dim, "V": args.dim, "dtype": args.dtype},
               "rows": rows, "temp_mb_per_1k_tokens": memory_per_token(rows), "train_step": step_rows}
-    out = results_path(args.out, "kda", f"results_{jax.default_backend()}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"\nwrote {out}")
+    print()
+    write_results(result, args.out, "kda", f"results_{jax.default_backend()}.json")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ jax.lax.ragged_dot, which XLA:CPU expands to a dense masked product (E times the
 """
 
 import argparse
-import json
 import time
 
 import jax
@@ -27,7 +26,7 @@ from ling2.config import load_config
 from ling2.layers.moe.layer import MoE
 from ling2.layers.moe.experts import Mlp
 from ling2.config.specs import MoESpec, WeightsSpec
-from tools.bench.report import host_facts, planned_bytes, results_path, time_round_robin
+from tools.bench.report import host_facts, planned_bytes, time_round_robin, write_results
 
 
 def _planned(compiled):
@@ -105,10 +104,7 @@ def tpu_compile(out: str):
               f"{r['temp_mib']:>10.0f}{r['code_mib']:>10.2f}{r['compile_s']:>10.1f}{r['mosaic_calls']:>8}")
     result = {"bench": "moe_tpu_compile", **host_facts(), "target": "v5p (compile-only)",
               "shape": {"M": M, "D": D, "F": F}, "grouped_flops": grouped, "rows": rows}
-    out = results_path(out, "moe", "results_tpu_compile.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+    write_results(result, out, "moe", "results_tpu_compile.json")
 
 
 def main():
@@ -167,10 +163,7 @@ def main():
               "config": {"model": "ling2-small", "D": D, "E": E, "K": K, "F": F, "shared": Fs, "batch": a.batch,
                          "seq": a.seq, "dtype": cfg.dtype, "capacity_factor": a.capacity_factor},
               "useful_gflop_per_step": flops / 1e9, "rows": rows}
-    out = results_path(a.out, "moe", f"results_{jax.default_backend()}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+    write_results(result, a.out, "moe", f"results_{jax.default_backend()}.json")
 
 
 if __name__ == "__main__":

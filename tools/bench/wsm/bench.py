@@ -28,7 +28,7 @@ from ling2.train.eval import Evaluator
 from ling2.train.runtime import make_mesh
 from ling2.train.train import find_file
 from ling2.layers.spec import ModelSpec
-from tools.bench.report import host_facts, results_path
+from tools.bench.report import host_facts, write_results
 
 
 def main():
@@ -74,10 +74,7 @@ def main():
     print(f"{'model':58s} {'eval loss':>9s}")
     for r in rows:
         print(f"{r['model']:58s} {r['eval_loss']:9.4f}")
-    out = results_path(a.out, "wsm", "results_cpu.json")
-    with open(out, "w") as f:
-        json.dump({**host_facts(), "args": vars(a), "rows": rows}, f, indent=1)
-    print(f"wrote {out}")
+    write_results({**host_facts(), "args": vars(a), "rows": rows}, a.out, "wsm", "results_cpu.json")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ with the tokens sharded over fsdp and, separately, the vocab over tensor.
 """
 
 import argparse
-import json
 import time
 import types
 
@@ -30,7 +29,7 @@ from jax.sharding import NamedSharding
 
 from ling2.config.schema import MESH_AXES
 from ling2.layers import losses, sharding
-from tools.bench.report import host_facts, planned_bytes, results_path, time_round_robin
+from tools.bench.report import host_facts, planned_bytes, time_round_robin, write_results
 
 RULES = [("activation_batch", ["data", "fsdp", "expert"]), ("activation_length", None),
          ("activation_embed", None), ("activation_vocab", ["tensor"]), ("embed", ["fsdp"]), ("vocab", ["tensor"])]
@@ -184,10 +183,7 @@ def main():
     result = {"bench": "xent", **host_facts(), "target": a.target, "device": dev, "config": {"num_blocks": a.num_blocks, "dtype": dt.name, "repeats": a.repeats},
               "rows": rows}
     tag = a.target.replace(":", "_")
-    out = results_path(a.out, "xent", f"results_{tag}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
+    write_results(result, a.out, "xent", f"results_{tag}.json")
 
 
 if __name__ == "__main__":
