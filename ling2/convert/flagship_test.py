@@ -116,3 +116,19 @@ def test_tensor_parallel_shards_are_the_served_shapes():
     for layer in (0, 7):  # a linear-attention layer and an MLA layer
         out = specs[f"model.layers.{layer}.attention.dense.weight"]
         assert (out[1] // tp, out[0]) == (1024, 8192)
+
+
+def test_layer_counts_are_the_served_call_counts():
+    """Independent of the reconstructed config, the same SGLang profiles count kernel calls per workload. Per forward
+    pass, each MoE layer launches `fused_moe_kernel` twice (gate/up, then down), and each layer all-reduces twice
+    (attention out, MLP out) after the vocab-parallel embedding's one all-reduce. The decode-sized workloads record
+    10,944 fused-MoE calls and 11,592 one-shot all-reduces (random_low), and 10,304 and 1,288 all-reduces in two
+    others. Every one of these is a whole number of passes for Ling2's layer plan: 72 x 2 x 76 and 72, 64, 8 x
+    (2 x 80 + 1). So there are 80 layers, and 76 of them are MoE. No other count of dense layers from 0 to 8 gives
+    both figures the same 72 passes."""
+    plan = ModelSpec.of(load_config(model_name="ling2.5-1t")).plan
+    layers, moe = len(plan.layers), sum(layer.mlp == "moe" for layer in plan.layers)
+    fused_moe, all_reduce = 10_944, (11_592, 10_304, 1_288)
+    assert fused_moe % (2 * moe) == 0 and all(n % (2 * layers + 1) == 0 for n in all_reduce)
+    assert fused_moe // (2 * moe) == all_reduce[0] // (2 * layers + 1) == 72
+    assert [k for k in range(9) if fused_moe / (2 * (layers - k)) == 72] == [layers - moe] == [4]
