@@ -74,6 +74,13 @@ def quantize_tensor(x, fmt=E4M3):
     return _cast(a, s, fmt), s
 
 
+def quantize_tensors(xs, fmt=E4M3):
+    """((x8, ...), scale): the tensors xs under one scale, their joint amax, as if they were one tensor (a
+    SwiGLU's gate and up: the two halves of one [D, 2F] product and of its output's gradient)."""
+    s = _scale(jnp.max(jnp.stack([jnp.max(jnp.abs(x.astype(F32))) for x in xs])), fmt)
+    return tuple(_cast(x.astype(F32), s, fmt) for x in xs), s
+
+
 def qdq_tiles(x, trailing: int, fmt=E4M3, tile: int = TILE):
     """x rounded in 1 x `tile` tiles along its last `trailing` axes (flattened), each tile scaled by its own
     amax; returned dequantized, fp32, shape of x. A short last tile is scaled on its own elements."""

@@ -19,8 +19,9 @@ dim, F expert width.
   model_name=ling2's train step compiles several times slower with them (tools/bench/moe and
   tools/bench/compile NOTES). Interpreted on CPU.
   "auto" (moe_gmm_backend) is resolved per platform by the MoE layer's plan (`ling2.layers.moe.plan`).
-With quantization=fp8 (`q`, ling2.kernels.fp8) a grouped matmul is an FP8 product through "blocked" (its
-batched matmuls quantized per step) or ragged_dot; the fused kernels keep bf16/fp32.
+With quantization=fp8 (`q`, ling2.kernels.fp8) a grouped matmul is an FP8 product through "pallas_gpu" (float8
+kernels, per-tensor scaling only), "blocked" (its batched matmuls quantized per step) or ragged_dot; megablox
+and the tiled scan keep bf16/fp32.
 """
 
 import math
@@ -200,11 +201,13 @@ def ffn_blocked(x_MD, group_sizes_E, wg, wu, wd, block: int = 128, step_bytes: i
     return y_NbD.reshape(N * b, D).at[dest_M].get(mode="fill", fill_value=0)
 
 
-def ffn_pallas_gpu(x_MD, group_sizes_E, wg, wu, wd, *, interpret: bool = False):
+def ffn_pallas_gpu(x_MD, group_sizes_E, wg, wu, wd, *, q: fp8.Fp8 | None = None, interpret: bool = False):
     """Same contract as `ffn_ragged_dot`, by the Pallas Triton grouped SwiGLU (ling2.kernels.moe.pallas_gpu): gate
     and up from one read of the rows, h written directly, then the down projection; its backward is the kernels'
-    own (transposed grouped matmuls for dx, one per expert for the weights)."""
-    return gmm_pallas_gpu.grouped_swiglu(x_MD, group_sizes_E, wg, wu, wd, interpret=interpret)
+    own (transposed grouped matmuls for dx, one per expert for the weights). `q` (per-tensor scaling): the same
+    kernels on float8 operands."""
+    swiglu = gmm_pallas_gpu.grouped_swiglu if q is None else gmm_pallas_gpu.grouped_swiglu_fp8
+    return swiglu(x_MD, group_sizes_E, wg, wu, wd, interpret=interpret)
 
 
 def megablox_tile(D: int, F: int, interpret: bool = False) -> int | None:
@@ -242,13 +245,16 @@ def ffn_megablox(x_MD, group_sizes_E, wg, wu, wd, *, interpret: bool = False):
 def grouped_ffn(x_MD, group_sizes_E, w, gemm: str, *, q: fp8.Fp8 | None = None, interpret: bool | None = None):
     """Grouped SwiGLU of rows sorted by expert with weights w = (wg, wu, wd) by backend `gemm` (BACKENDS; the
     MoE layer's plan picks it for each platform, `ling2.layers.moe.plan`). `q`: FP8 GEMMs (the module doc),
-    through ragged_dot or blocked. `interpret` (Pallas backends): None runs the kernel in interpret mode off
-    its platform, decided for the platform lowered for."""
+    through pallas_gpu (per-tensor scaling), ragged_dot or blocked. `interpret` (Pallas backends): None runs the
+    kernel in interpret mode off its platform, decided for the platform lowered for."""
     if gemm not in BACKENDS:
         raise ValueError(f"gmm: unknown grouped matmul backend {gemm!r} (one of {BACKENDS})")
-    if q is not None:
+    if q is not None and gemm == "pallas_gpu" and q.scaling != "tensor":
+        raise ValueError(f"gmm: the pallas_gpu kernels run FP8 with per-tensor scaling only, not fp8_scaling="
+                         f"{q.scaling!r} (block scaling: blocked or ragged_dot)")
+    if q is not None and gemm != "pallas_gpu":
         if gemm not in ("ragged_dot", "blocked"):
-            raise ValueError(f"gmm: FP8 grouped matmuls run through ragged_dot or blocked, not {gemm!r}")
+            raise ValueError(f"gmm: FP8 grouped matmuls run through pallas_gpu, ragged_dot or blocked, not {gemm!r}")
         return (ffn_ragged_dot if gemm == "ragged_dot" else ffn_blocked)(x_MD, group_sizes_E, *w, q=q)
     if gemm == "ragged_dot":
         return ffn_ragged_dot(x_MD, group_sizes_E, *w)
@@ -256,7 +262,7 @@ def grouped_ffn(x_MD, group_sizes_E, w, gemm: str, *, q: fp8.Fp8 | None = None, 
         return ffn_tiled(x_MD, group_sizes_E, *w)
     if gemm == "blocked":
         return ffn_blocked(x_MD, group_sizes_E, *w)
-    kernel, home = (ffn_pallas_gpu, "cuda") if gemm == "pallas_gpu" else (ffn_megablox, "tpu")
+    kernel, home = (partial(ffn_pallas_gpu, q=q), "cuda") if gemm == "pallas_gpu" else (ffn_megablox, "tpu")
     if interpret is not None:
         return kernel(x_MD, group_sizes_E, *w, interpret=interpret)
     if gemm == "pallas_gpu":

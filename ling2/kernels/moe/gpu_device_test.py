@@ -75,3 +75,29 @@ def test_grouped_swiglu_and_gradients_on_gpu():
     for name, a, b in zip(("y", "dx", "dwg", "dwu", "dwd"), got, want):
         a, b = np.asarray(a, np.float32), np.asarray(b)
         assert np.abs(a - b).max() <= 3e-2 * np.abs(b).max(), (name, np.abs(a - b).max(), np.abs(b).max())
+
+
+def test_fp8_swiglu_and_gradients_on_gpu():
+    """The float8 SwiGLU (per-tensor scaling: e4m3 rows, h and weights, e5m2 gradients) compiled for the GPU, against
+    the same function interpreted on the CPU device: the quantization is elementwise and repeats exactly, so both
+    multiply the same float8 values and differ only in the order of their fp32 sums (pallas_gpu_fp8_test checks the
+    interpreted function against a numpy reference of the recipe)."""
+    M, D, F, sizes = 4096, 256, 128, [700, 0, 1300, 1, 1999, 0, 96, 0]
+    r = np.random.default_rng(2)
+    x, dy = (jnp.asarray(r.standard_normal((M, D)), jnp.bfloat16) for _ in range(2))
+    wg, wu = (jnp.asarray(r.standard_normal((8, D, F)) * D**-0.5, jnp.float32) for _ in range(2))
+    wd = jnp.asarray(r.standard_normal((8, F, D)) * F**-0.5, jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+
+    def run(interpret):
+        def g(x, wg, wu, wd, gs, dy):
+            f = lambda *a: pallas_gpu.grouped_swiglu_fp8(a[0], gs, *a[1:], interpret=interpret)  # noqa: E731
+            y, vjp = jax.vjp(f, x, wg, wu, wd)
+            return (y, *vjp(dy))
+        return g
+
+    got = jax.jit(run(False))(x, wg, wu, wd, gs, dy)
+    want = jax.jit(run(True))(*(jax.device_put(a, CPU) for a in (x, wg, wu, wd, gs, dy)))
+    for name, a, b in zip(("y", "dx", "dwg", "dwu", "dwd"), got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.abs(a - b).max() <= 1e-2 * np.abs(b).max(), (name, np.abs(a - b).max(), np.abs(b).max())

@@ -11,7 +11,8 @@
   gemm       the grouped matmul backend that runs (`ling2.kernels.moe.gmm.BACKENDS`; never "auto"), None where
              the path runs none: moe_gmm_backend "auto" is Ling2's Pallas Triton kernel on CUDA, megablox on TPU
              where its tiles fit, the tiled scan on CPU, ragged_dot elsewhere; XLA-partitioned calls take no
-             Pallas kernel (blocked on CUDA, ragged_dot on TPU); FP8 takes blocked or ragged_dot;
+             Pallas kernel (blocked on CUDA, ragged_dot on TPU); FP8 takes the Triton kernel's float8 form where
+             the bf16 one would run and the scaling is per tensor, else blocked (CPU, CUDA) or ragged_dot;
   interpret  the Pallas kernel in interpret mode (named off its platform: tests);
   exchange   the expert-parallel all-to-all (padded, ragged or emulated) on the ep paths, else None; "auto" is
              padded on CPU (no ragged all-to-all there) and ragged elsewhere.
@@ -56,7 +57,13 @@ def _path(spec: MoESpec, gmm: str, mesh_shape: dict, tokens: int) -> str:
     return "partitioned"
 
 
-def _gemm(gmm: str, platform: str, *, fp8: bool, partitioned: bool, model_dim: int, mlp_dim: int) -> tuple[str, bool]:
+def _gemm(gmm: str, platform: str, *, fp8: str | None, partitioned: bool, model_dim: int,
+          mlp_dim: int) -> tuple[str, bool]:
+    """(backend, interpret); fp8: the FP8 scaling, None without FP8."""
+    if fp8 == "tensor" and gmm in ("auto", "pallas_gpu"):
+        bf16 = _gemm(gmm, platform, fp8=None, partitioned=partitioned, model_dim=model_dim, mlp_dim=mlp_dim)
+        if bf16[0] == "pallas_gpu":
+            return bf16
     if fp8:
         if gmm in ("ragged_dot", "blocked", "tiled"):
             return ("ragged_dot" if gmm == "ragged_dot" else "blocked"), False
@@ -94,7 +101,8 @@ def moe_plan(spec: MoESpec, mesh_shape: dict, platform: str, *, tokens: int, mod
     if path in ("dense_capacity", "gathered"):
         return MoEPlan(path, None, False, None)
     partitioned = path == "partitioned" and math.prod(mesh_shape.values()) > 1
-    gemm, interpret = _gemm(gmm, platform, fp8=run.quantization == "fp8", partitioned=partitioned,
+    gemm, interpret = _gemm(gmm, platform, fp8=run.fp8_scaling if run.quantization == "fp8" else None,
+                            partitioned=partitioned,
                             model_dim=model_dim, mlp_dim=spec.base_moe_mlp_dim)
     exchange = None
     if path in ("expert_parallel", "per_device"):

@@ -74,10 +74,17 @@ EP = {"data": 2, "expert": 4, "tensor": 1}
                                                 "tpu": ("pallas_gpu", False, None)}),
     ("megablox", "", ONE, "auto", 2048, 512, {"cpu": ("megablox", True, None), "tpu": ("megablox", False, None),
                                               "cuda": ("megablox", True, None)}),
-    # fp8: blocked on CPU and CUDA, ragged_dot elsewhere; a named blocked / ragged_dot / tiled stays (tiled -> blocked)
-    ("auto", "fp8", ONE, "auto", 2048, 512, {"cpu": ("blocked", False, None), "cuda": ("blocked", False, None),
+    # fp8 (per-tensor scaling): the Triton kernel's float8 form where the bf16 one runs (CUDA, not partitioned; a
+    # named one interpreted on CPU), else blocked on CPU and CUDA, ragged_dot elsewhere; a named blocked /
+    # ragged_dot / tiled stays (tiled -> blocked)
+    ("auto", "fp8", ONE, "auto", 2048, 512, {"cpu": ("blocked", False, None), "cuda": ("pallas_gpu", False, None),
                                              "tpu": ("ragged_dot", False, None),
                                              "default": ("ragged_dot", False, None)}),
+    ("auto", "fp8", TP, "auto", 2048, 512, {"cuda": ("blocked", False, None)}),
+    ("auto", "fp8", EP, "auto", 2048, 512, {"cuda": ("pallas_gpu", False, "ragged")}),
+    ("pallas_gpu", "fp8", ONE, "auto", 2048, 512, {"cpu": ("pallas_gpu", True, None),
+                                                   "cuda": ("pallas_gpu", False, None)}),
+    ("blocked", "fp8", ONE, "auto", 2048, 512, {"cuda": ("blocked", False, None)}),
     ("tiled", "fp8", ONE, "auto", 2048, 512, {p: ("blocked", False, None) for p in ("cpu", "tpu", "cuda")}),
     ("ragged_dot", "fp8", ONE, "auto", 2048, 512, {p: ("ragged_dot", False, None) for p in ("cpu", "tpu", "cuda")}),
 ])
@@ -87,6 +94,14 @@ def test_gemm_and_exchange_table(gmm, quant, mesh_shape, a2a, D, F, table):
     for platform, (gemm, interpret, exchange) in table.items():
         got = moe_plan(s, mesh_shape, platform, tokens=4096, model_dim=D)
         assert (got.gemm, got.interpret, got.exchange) == (gemm, interpret, exchange), platform
+
+
+@pytest.mark.parametrize("gmm", ["auto", "pallas_gpu"])
+def test_fp8_block_scaling_keeps_the_emulation(gmm):
+    """Block scaling has no float8 kernel here: it stays on the emulating backends, on every platform."""
+    s = spec(moe_gmm_backend=gmm, quantization="fp8", fp8_scaling="block")
+    want = {"cpu": "blocked", "cuda": "blocked", "tpu": "ragged_dot", "default": "ragged_dot"}
+    assert {p: moe_plan(s, ONE, p, tokens=4096, model_dim=2048).gemm for p in want} == want
 
 
 def test_paths_without_a_grouped_matmul_plan_none():

@@ -4,7 +4,7 @@
 
 Rows are T tokens x top-K sorted by expert (a uniform random routing: near-balanced groups), D model dim,
 F expert width, E local experts, bf16. Backends: Ling2's `moe_gmm.grouped_ffn` ones (pallas_gpu, blocked,
-ragged_dot) and `mosaic_gpu`, JAX's Pallas Mosaic GPU ragged dot (jax.experimental.pallas.ops.gpu:
+ragged_dot; with `_fp8`, e.g. pallas_gpu_fp8: the same backend's FP8 GEMMs, per-tensor scaling) and `mosaic_gpu`, JAX's Pallas Mosaic GPU ragged dot (jax.experimental.pallas.ops.gpu:
 ragged_dot_mgpu forward and dx, transposed_ragged_dot_mgpu for dw; Hopper wgmma), wired here as a SwiGLU
 with its own VJP only to compare. Times are device-bound: `--calls` calls queued back to back, then one
 synchronisation, per call (median of 3 such batches). The GEMM FLOPs are 6 M D F forward, 3x that with the
@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ling2.kernels import fp8
 from ling2.kernels.moe import gmm as moe_gmm
 from tools.bench.report import host_facts, matmul_rate, queued_seconds
 
@@ -62,7 +63,8 @@ def _fn(backend):
         return _mgpu_ffn()
     if ":" in backend:  # pallas_gpu:variant, with the kernels' tiles set while it traces
         return _with_tiles(backend.split(":", 1)[1], lambda x, gs, *w: moe_gmm.grouped_ffn(x, gs, w, "pallas_gpu"))
-    return lambda x, gs, wg, wu, wd: moe_gmm.grouped_ffn(x, gs, (wg, wu, wd), backend)
+    q = fp8.Fp8("tensor") if backend.endswith("_fp8") else None
+    return lambda x, gs, wg, wu, wd: moe_gmm.grouped_ffn(x, gs, (wg, wu, wd), backend.removesuffix("_fp8"), q=q)
 
 
 def _with_tiles(variant: str, f):
@@ -130,7 +132,7 @@ def rows(args, rate, save):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--widths", default="512x64,2048x512", help="DxF pairs: ling2-small's and ling2's")
-    p.add_argument("--backends", default="pallas_gpu,blocked,mosaic_gpu,ragged_dot",
+    p.add_argument("--backends", default="pallas_gpu,pallas_gpu_fp8,blocked,blocked_fp8,mosaic_gpu,ragged_dot",
                    help="also pallas_gpu:TM.TP.TQ.WARPS.STAGES/TM.TQ.TP.WARPS.STAGES (the gmm / tgmm kernels' tiles)")
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--topk", type=int, default=8)
