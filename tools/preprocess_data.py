@@ -21,6 +21,7 @@ stderr naming the file and line, and exit status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -154,6 +155,44 @@ def _tmp(path: str) -> str:
     return f"{path}.{os.getpid()}.tmp"
 
 
+@contextlib.contextmanager
+def _writing(path: str):
+    """An OSError while writing `path` (its temporary file) as a DataError naming `path`: a full disk
+    (ENOSPC), a quota, an I/O error."""
+    try:
+        yield
+    except OSError as e:
+        raise DataError(f"{path}: cannot write: {e.strerror or e}") from None
+
+
+def _publish(prefixes) -> None:
+    """Puts each finished pair in place of the old one: both files are first synced to disk, and the old
+    `.idx` is removed before the `.bin` is replaced, so that a kill or crash between the renames leaves a
+    `.bin` without an `.idx` (refused by the reader), never the new `.bin` beside the old `.idx` (which
+    the reader could take for a whole dataset when the sizes agree)."""
+    for p in prefixes:
+        for path in (indexed.bin_path(p), indexed.idx_path(p)):
+            with _writing(path):
+                fd = os.open(_tmp(path), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+    for p in prefixes:
+        bin_file, idx_file = indexed.bin_path(p), indexed.idx_path(p)
+        with _writing(idx_file):
+            if os.path.lexists(idx_file):
+                os.remove(idx_file)
+            os.replace(_tmp(bin_file), bin_file)
+            os.replace(_tmp(idx_file), idx_file)
+    for d in {os.path.dirname(p) or "." for p in prefixes}:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _check_flags(args) -> None:
     """Flags that would otherwise run with a silently different meaning: a repeated key (each
     document written twice), a prefix naming a directory (hidden `_key_document` files in it),
@@ -198,18 +237,21 @@ def run(args) -> dict:
                 builders[k] = indexed.IndexedDatasetBuilder(_tmp(indexed.bin_path(p)), dtype=dtype)
             except OSError as e:
                 raise DataError(f"{indexed.bin_path(p)}: cannot write: {e.strerror or e}") from None
-        n_tokens = _tokenize(args, builders)
+        n_tokens = _tokenize(args, builders, prefixes)
         for k, p in prefixes.items():
-            builders[k].finalize(_tmp(indexed.idx_path(p)))
-        for p in prefixes.values():
-            for path in (indexed.bin_path(p), indexed.idx_path(p)):  # .idx last
-                os.replace(_tmp(path), path)
+            with _writing(indexed.idx_path(p)):
+                builders[k].finalize(_tmp(indexed.idx_path(p)))
+        _publish(prefixes.values())
     except BaseException:
         for k, p in prefixes.items():
             if k in builders:
-                builders[k].discard()
-            if os.path.exists(_tmp(indexed.idx_path(p))):
-                os.remove(_tmp(indexed.idx_path(p)))
+                try:
+                    builders[k].discard()
+                except OSError:  # closing flushes the buffer, which fails again on a full disk
+                    pass
+            for path in (indexed.bin_path(p), indexed.idx_path(p)):
+                if os.path.exists(_tmp(path)):
+                    os.remove(_tmp(path))
         raise
     if not args.quiet:
         dt = max(time.time() - t0, 1e-9)
@@ -218,8 +260,9 @@ def run(args) -> dict:
     return prefixes
 
 
-def _tokenize(args, builders: dict) -> int:
-    """Feeds every document of `args.input` to `builders` ({key: builder}); the token count."""
+def _tokenize(args, builders: dict, prefixes: dict) -> int:
+    """Feeds every document of `args.input` to `builders` ({key: builder}); the token count. A failed
+    write is a DataError naming the `.bin` of `prefixes` ({key: output prefix})."""
     encoder = Encoder(args)
     pool = None
     if args.workers > 1:
@@ -236,7 +279,8 @@ def _tokenize(args, builders: dict) -> int:
                     continue
                 raise DataError(f"{args.input}: JSON line {line}: {lens}")
             for k in args.json_keys:
-                builders[k].add_document(np.asarray(ids[k], dtype=np.int64), lens[k])
+                with _writing(indexed.bin_path(prefixes[k])):
+                    builders[k].add_document(np.asarray(ids[k], dtype=np.int64), lens[k])
                 tokens[k] += len(ids[k])
                 bar.update(len(ids[k]))
             n_docs += 1

@@ -353,3 +353,73 @@ def test_train_tokenizer_bad_flags(tmp_path, capsys, flags, want):
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
     assert re.search(want.format(d=re.escape(str(tmp_path))), err), err
+
+
+def _script(*argv, limit_bytes=None):
+    """The tool run as a script; with `limit_bytes`, no file it writes may grow past that many bytes
+    (RLIMIT_FSIZE: the kernel fails the write, as a full disk does)."""
+    import resource
+    import signal
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, str(HERE / "preprocess_data.py"), "--tokenizer", TOK, "--quiet",
+                           *argv], capture_output=True, text=True, env=env, timeout=300,
+                          preexec_fn=limit if limit_bytes else None)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_failed_write_is_named_and_keeps_the_existing_dataset(tmp_path, workers):
+    """A write the file system refuses (a full disk) is one `error:` line naming the `.bin`, exit 2; the
+    dataset already at the prefix stays byte for byte and no temporary file is left."""
+    d, out = tmp_path / "in", tmp_path / "out"
+    d.mkdir()
+    out.mkdir()
+    (d / "old.jsonl").write_bytes(_lines_of(20))
+    (d / "big.jsonl").write_bytes(_lines_of(20000))
+    r = _script("--input", str(d / "old.jsonl"), "--output-prefix", str(out / "out"), "--append-eod")
+    assert r.returncode == 0, r.stderr
+    before = _snapshot(out)
+    r = _script("--input", str(d / "big.jsonl"), "--output-prefix", str(out / "out"), "--append-eod",
+                "--workers", workers, limit_bytes=64 << 10)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines() == [f"error: {out}/out_text_document.bin: cannot write: File too large"]
+    assert _snapshot(out) == before
+
+
+def test_a_kill_between_the_renames_leaves_no_dataset_that_loads(tmp_path):
+    """Killed after the new `.bin` replaced the old one but before its `.idx` did: the prefix holds no
+    `.idx`, so the reader refuses it by name (rather than reading the new `.bin` through the old `.idx`,
+    which agrees with it in size here); a rerun writes the whole dataset."""
+    d, out = tmp_path / "in", tmp_path / "out"
+    d.mkdir()
+    out.mkdir()
+    texts = ("one two", "three four")  # 2 and 3 tokens: the same total either way round
+    (d / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (d / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[::-1]))
+    prefix = out / "out_text_document"
+    r = _script("--input", str(d / "a.jsonl"), "--output-prefix", str(out / "out"))
+    assert r.returncode == 0, r.stderr
+    kill = (f"import os, runpy, sys; real = os.replace\n"
+            f"def replace(a, b):\n"
+            f"    real(a, b)\n"
+            f"    if b.endswith('.bin'): os._exit(137)\n"
+            f"os.replace = replace\n"
+            f"sys.argv = ['preprocess_data', '--input', {str(d / 'b.jsonl')!r}, '--tokenizer', {TOK!r},\n"
+            f"            '--output-prefix', {str(out / 'out')!r}, '--quiet']\n"
+            f"runpy.run_path({str(HERE / 'preprocess_data.py')!r}, run_name='__main__')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", kill], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 137, r.stderr
+    assert not Path(f"{prefix}.idx").exists()
+    with pytest.raises(DataError, match=r"out_text_document\.idx: no such file"):
+        IndexedDataset(str(prefix))
+    r = _script("--input", str(d / "b.jsonl"), "--output-prefix", str(out / "out"))
+    assert r.returncode == 0, r.stderr
+    tok = Tokenizer.from_file(TOK)
+    ds = IndexedDataset(str(prefix))
+    assert [list(ds[i]) for i in range(len(ds))] == [tok.encode(t, add_special_tokens=False).ids
+                                                     for t in texts[::-1]]
