@@ -423,3 +423,33 @@ def test_a_kill_between_the_renames_leaves_no_dataset_that_loads(tmp_path):
     ds = IndexedDataset(str(prefix))
     assert [list(ds[i]) for i in range(len(ds))] == [tok.encode(t, add_special_tokens=False).ids
                                                      for t in texts[::-1]]
+
+
+def test_train_tokenizer_failed_write_keeps_the_existing_file(tmp_path):
+    """A tokenizer.json the file system refuses to hold whole (a full disk; here RLIMIT_FSIZE) is one
+    `error:` line naming --output, exit 2; the tokenizer already there stays byte for byte and no
+    temporary file is left."""
+    import resource
+    import signal
+
+    inp = tmp_path / "c.jsonl"
+    inp.write_bytes(b"".join((SAMPLE / "austen.jsonl").read_bytes().splitlines(keepends=True)[:300]))
+    out = tmp_path / "t.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, str(HERE / "train_tokenizer.py"), "--input", str(inp), "--output", str(out)]
+    r = subprocess.run(cmd + ["--vocab-size", "300"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    before = out.read_bytes()
+    limit = 2 * len(before)
+
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    r = subprocess.run(cmd + ["--vocab-size", "2000"], capture_output=True, text=True, env=env, timeout=300,
+                       preexec_fn=small_disk)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert re.fullmatch(rf"error: --output {re.escape(str(out))}: cannot write: .*File too large.*\n", r.stderr), \
+        r.stderr
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "t.json"]

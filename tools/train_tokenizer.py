@@ -65,6 +65,30 @@ def train(inputs: list[str], vocab_size: int = 8192, key: str = "text",
     return tok
 
 
+def save(tok: Tokenizer, output: str) -> None:
+    """Writes `tok` to a temporary file beside `output`, syncs it and renames it into place, so that a
+    failed or killed write (a full disk) leaves the file that was at `output` as it was, never a cut-short
+    tokenizer.json; InputError naming --output when the write fails."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(output)), f".{os.path.basename(output)}.{os.getpid()}.tmp")
+    try:
+        try:
+            tok.save(tmp)
+        except Exception as e:  # the tokenizers library raises a bare Exception for an OS error
+            raise InputError(f"--output {output}: cannot write: {e}") from None
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, output)
+        except OSError as e:
+            raise InputError(f"--output {output}: cannot write: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", nargs="+", required=True)
@@ -86,10 +110,7 @@ def main(argv=None):
             if not os.path.isfile(path):
                 raise InputError(f"{path}: no such input file")
         tok = train(a.input, a.vocab_size, a.json_key, a.min_frequency)
-        try:
-            tok.save(a.output)
-        except Exception as e:  # the tokenizers library raises a bare Exception for an OS error
-            raise InputError(f"--output {a.output}: cannot write: {e}") from None
+        save(tok, a.output)
     except (InputError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
