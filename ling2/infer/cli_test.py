@@ -252,3 +252,25 @@ def test_max_new_tokens_follows_the_trainers_position_rule():
     check_length([[1, 2]], 1023, cfg("yarn"))
     with pytest.raises(InferError, match=r"exceed 2147483647 \(int32\)"):
         check_length([[1, 2]], 2**31, cfg("yarn"))
+
+
+def test_evaluate_out_a_failed_write_keeps_the_previous_file(tmp_path):
+    """A result the file system refuses to hold whole (a full disk; here RLIMIT_FSIZE) is an InferError
+    naming --out; the file already at --out stays byte for byte and no temporary file is left."""
+    out = tmp_path / "eval.json"
+    out.write_text('{"loss": 1.0}\n')
+    code = ("import resource, signal, sys\n"
+            "from pathlib import Path\n"
+            "from ling2.infer.evaluate import write_out\n"
+            "from ling2.infer.load import InferError\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+            "try:\n"
+            f"    write_out(Path({str(out)!r}), '{{\"loss\": 2.0, \"pad\": \"' + 'x' * 10000 + '\"}}\\n')\n"
+            "except InferError as e:\n"
+            "    print(e)\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout == f"--out={out}: cannot write: File too large\n", (r.stdout, r.stderr)
+    assert out.read_text() == '{"loss": 1.0}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]

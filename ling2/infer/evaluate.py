@@ -59,14 +59,23 @@ def check_out(out: Path) -> None:
 
 
 def write_out(out: Path, text: str) -> None:
-    """Writes `text` to `out` (its directories made), InferError naming --out when that fails."""
+    """Writes `text` to `out` (its directories made), InferError naming --out when that fails. The text goes
+    to a temporary file beside `out`, synced and renamed into place, so that a full disk or a kill leaves the
+    previous `out` as it was (or none), never a cut-short JSON."""
     from ling2.infer.load import InferError
 
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
     except OSError as e:
         raise InferError(f"--out={out}: cannot write: {e.strerror or e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def main(argv):
