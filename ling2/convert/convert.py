@@ -11,6 +11,7 @@ by orbax).
 """
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -242,17 +243,26 @@ def convert_hf_to_ling2(hf_dir, out_dir, *, scan_layers: bool = False, dtype: st
         hf, layout, {"scan_layers": scan_layers, "weight_dtype": DTYPES[dtype], "dtype": DTYPES[dtype]}, *overrides)
     reader = ShardedReader(hf_dir)
     plan = _plan(reader, cfg, layout, allow_missing_mtp)
-    writer = state_writer(out_dir, cfg, [e.path for e, _ in plan[1]])
-    reader.map_pages = writer.lib is None  # the native writer maps and drops each block's pages itself
-    with writer:  # a tensor found damaged on the way: nothing half-written left to load
-        _hf_to_sink(reader, cfg, layout, writer, allow_missing_mtp, progress, plan)
-        writer.close()
-    code = [Path(hf_dir) / m for m in auto_map_modules(hf) if (Path(hf_dir) / m).is_file()]
-    if code:
-        (Path(out_dir) / HF_CODE).mkdir(exist_ok=True)
-        for f in code:
-            shutil.copyfile(f, Path(out_dir) / HF_CODE / f.name)
+    try:
+        writer = state_writer(out_dir, cfg, [e.path for e, _ in plan[1]])
+        reader.map_pages = writer.lib is None  # the native writer maps and drops each block's pages itself
+        with writer:  # a tensor found damaged on the way: nothing half-written left to load
+            _hf_to_sink(reader, cfg, layout, writer, allow_missing_mtp, progress, plan)
+            writer.close()
+        code = [Path(hf_dir) / m for m in auto_map_modules(hf) if (Path(hf_dir) / m).is_file()]
+        if code:
+            (Path(out_dir) / HF_CODE).mkdir(exist_ok=True)
+            for f in code:
+                shutil.copyfile(f, Path(out_dir) / HF_CODE / f.name)
+    except OSError as e:
+        raise _write_error(out_dir, e) from None
     return cfg
+
+
+def _write_error(out_dir, e: OSError) -> ConversionError:
+    """The error for a write into the output directory that the file system refused (a full disk, a quota)."""
+    return ConversionError(f"{out_dir}: cannot write the converted checkpoint: {e.strerror or e}"
+                           + (f" ({e.filename})" if e.filename else ""))
 
 
 def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "auto", config=None, dtype: str = "",
@@ -275,19 +285,69 @@ def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "auto", config=None,
         state = load_state(ckpt_dir, cfg)
     np_dtype = np.dtype(jax.numpy.dtype(DTYPES[dtype])) if dtype else None
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"{out}: exists and is not a directory")
+    stage = out / HF_PARTIAL
     try:
         out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(stage, ignore_errors=True)  # left by a killed conversion
+        stage.mkdir()
     except OSError as e:
         raise ConversionError(f"{out}: cannot create the output directory: {e.strerror}") from None
     layout = hf_config.layout_for(cfg) if layout == "auto" else layout
     hf = hf_config.config_to_hf(cfg, layout, DTYPES[dtype] if dtype else "")
-    writer = PlannedWriter(out, hf_specs(cfg, layout, np_dtype), shard_bytes)
-    if isinstance(state, ShardedReader):
-        state.map_pages = writer.lib is None  # the native writer maps and drops each block's pages itself
-    with writer:  # no half-written shards left to load
-        state_to_hf(state, cfg, layout, writer, progress, np_dtype)
-        index = writer.close()
-    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    for f in sorted((Path(ckpt_dir) / HF_CODE).glob("*.py")):
-        shutil.copyfile(f, out / f.name)
+    try:
+        writer = PlannedWriter(stage, hf_specs(cfg, layout, np_dtype), shard_bytes)
+        if isinstance(state, ShardedReader):
+            state.map_pages = writer.lib is None  # the native writer maps and drops each block's pages itself
+        with writer:  # no half-written shards left to load
+            state_to_hf(state, cfg, layout, writer, progress, np_dtype)
+            index = writer.close()
+        (stage / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        for f in sorted((Path(ckpt_dir) / HF_CODE).glob("*.py")):
+            shutil.copyfile(f, stage / f.name)
+        _publish_hf(stage, out)
+    except OSError as e:
+        raise _write_error(out, e) from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return index
+
+
+HF_PARTIAL = ".ling2_to_hf.partial"  # where ling2_to_hf writes before anything in the output directory changes
+
+
+def _fsync(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish_hf(stage: Path, out: Path) -> None:
+    """Moves a finished HF checkpoint from `stage` into `out`, whose previous checkpoint stays loadable until
+    the first rename. Every file is synced first; the old index goes first (with the shards it names that the
+    new one does not overwrite) and the new index comes last, so a kill or a crash in between leaves shards
+    without an index, which no loader takes for a whole checkpoint, never new shards under the old index or
+    old config.json."""
+    files = sorted(p.name for p in stage.iterdir())
+    for name in files:
+        _fsync(stage / name)
+    old_index = out / INDEX_NAME
+    stale = []
+    if old_index.is_file():
+        try:
+            stale = sorted(set(map(str, json.loads(old_index.read_text())["weight_map"].values())))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            stale = []  # a malformed old index: its shards are not known, only it is replaced
+        old_index.unlink()
+    for name in stale:
+        if name not in files and "/" not in name and name.endswith(".safetensors"):
+            (out / name).unlink(missing_ok=True)
+    for name in files:
+        if name != INDEX_NAME:
+            os.replace(stage / name, out / name)
+    _fsync(out)
+    os.replace(stage / INDEX_NAME, old_index)
+    _fsync(out)

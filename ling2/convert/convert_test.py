@@ -482,3 +482,122 @@ def test_a_failed_conversion_leaves_the_previous_output_as_it_was(tmp_path, tiny
     assert files() == before
     assert run("good", "/proc/ling2_out") == 2
     assert "error: CheckpointError: /proc/ling2_out: cannot create the output directory" in capsys.readouterr().err
+
+
+def _tree(d):
+    """{relative path: bytes} of every file under `d`."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def l2_beyond_fp16(tmp_path_factory, tiny):
+    """A Ling2 state directory that converts in float32 but not in float16 (one weight is 1e6)."""
+    d = tmp_path_factory.mktemp("l2fp16")
+    up = "model.layers.6.mlp.experts.3.up_proj.weight"
+    w = np.random.default_rng(4).standard_normal((64, 128)).astype(np.float32)
+    w[9, 4] = 1e6
+    write_random_hf(d / "hf", tiny, extra={up: w})
+    assert hf_to_ling2.main(["--hf_dir", str(d / "hf"), "--out", str(d / "l2"), "--no_progress"]) == 0
+    return d / "l2"
+
+
+def test_a_failed_ling2_to_hf_leaves_the_previous_output_as_it_was(tmp_path, l2_beyond_fp16, capsys):
+    """Converting into a directory that holds an earlier conversion replaces it only when the new one is whole:
+    a conversion refused half way (a weight float16 cannot hold) exits 2 and leaves every file of the earlier
+    one byte for byte (it still loads), with nothing else in the directory."""
+    out = tmp_path / "hf"
+    run = lambda *a: ling2_to_hf.main(["--ckpt", str(l2_beyond_fp16), "--out", str(out), "--no_progress", *a])  # noqa: E731
+    assert run("--shard_gb", "0.01") == 0
+    before = _tree(out)
+    assert len([n for n in before if n.endswith(".safetensors")]) > 1
+    capsys.readouterr()
+    assert run("--dtype", "fp16") == 2
+    assert "holds 1 value not finite in float16" in capsys.readouterr().err
+    assert _tree(out) == before
+    ShardedReader(out)
+
+
+def _killed_ling2_to_hf(ckpt, out, when: str):
+    """ling2_to_hf run as a script and killed (os._exit, as kill -9: no cleanup runs) `when`: 'writing' (half of
+    the tensors written) or 'publishing' (after the first file was moved into the output directory)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, runpy, sys\n"
+            "from ling2.checkpoint import safetensors_io\n"
+            "when = sys.argv.pop()\n"
+            "real_add, real_replace, n = safetensors_io.PlannedWriter.add, os.replace, [0]\n"
+            "def add(self, *a, **k):\n"
+            "    n[0] += 1\n"
+            "    if n[0] == 300 and when == 'writing': os._exit(137)\n"
+            "    return real_add(self, *a, **k)\n"
+            "def replace(a, b):\n"
+            "    real_replace(a, b)\n"
+            "    if when == 'publishing': os._exit(137)\n"
+            "safetensors_io.PlannedWriter.add, os.replace = add, replace\n"
+            "sys.argv[0] = 'ling2_to_hf'\n"
+            "runpy.run_module('ling2.convert.ling2_to_hf', run_name='__main__')\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code, "--ckpt", str(ckpt), "--out", str(out), "--no_progress",
+                        "--dtype", "bf16", when], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 137, r.stderr
+
+
+@pytest.mark.parametrize("when", ["writing", "publishing"])
+def test_a_killed_ling2_to_hf_leaves_the_previous_output_or_none_that_loads(tmp_path, l2_beyond_fp16, when):
+    """ling2_to_hf killed while writing leaves the earlier conversion in its output directory byte for byte;
+    killed while moving the new files in, it leaves no index, which the reader refuses by name (never the new
+    shards under the old index). A rerun then writes the whole new conversion."""
+    from ling2.checkpoint.safetensors_io import SafetensorsError
+
+    out = tmp_path / "hf"
+    assert ling2_to_hf.main(["--ckpt", str(l2_beyond_fp16), "--out", str(out), "--no_progress"]) == 0
+    before = _tree(out)
+    _killed_ling2_to_hf(l2_beyond_fp16, out, when)
+    if when == "writing":
+        assert {n: b for n, b in _tree(out).items() if not n.startswith(".")} == before
+        ShardedReader(out)
+    else:
+        with pytest.raises(SafetensorsError, match="neither model.safetensors.index.json nor model.safetensors"):
+            ShardedReader(out)
+    assert ling2_to_hf.main(["--ckpt", str(l2_beyond_fp16), "--out", str(out), "--no_progress",
+                             "--dtype", "bf16"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model-00001-of-00001.safetensors", INDEX_NAME]
+    reader, src = ShardedReader(out), ShardedReader(l2_beyond_fp16.parent / "hf")
+    assert reader.names() == src.names()
+    for n in src.names():
+        assert np.array_equal(np.asarray(reader.read(n)), np.asarray(src.read(n)).astype(ml_dtypes.bfloat16)), n
+
+
+@pytest.mark.parametrize("direction", ["hf_to_ling2", "ling2_to_hf"])
+def test_a_full_disk_is_named_and_keeps_the_previous_output(tmp_path, l2_beyond_fp16, direction):
+    """A write the file system refuses (a full disk; here RLIMIT_FSIZE) is one `error:` line naming the output
+    directory, exit 2, no traceback; the earlier conversion there stays byte for byte."""
+    import os
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    src = {"hf_to_ling2": ["--hf_dir", str(l2_beyond_fp16.parent / "hf")],
+           "ling2_to_hf": ["--ckpt", str(l2_beyond_fp16)]}[direction]
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", f"ling2.convert.{direction}", *src, "--out", str(out), "--no_progress"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run(argv + ["--dtype", "bf16"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    before = _tree(out)
+    limit = max(len(b) for b in before.values()) + 4096  # the bf16 files fit, the fp32 ones do not
+
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, preexec_fn=small_disk)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == f"error: ConversionError: {out}: cannot write the converted checkpoint: " \
+                                        "File too large", r.stderr
+    # (a hidden .state.partial that PlannedWriter's constructor leaves when sizing a file fails is no checkpoint:
+    # the next write removes it)
+    assert {n: b for n, b in _tree(out).items() if not n.startswith(".")} == before
