@@ -117,8 +117,21 @@ def detect_layout(hf: dict) -> str:
                                 f"cannot tell Ling 2.6 from Ling 3 (known: {sorted(HYBRID_ARCHITECTURES)}); "
                                 "pass --layout")
         return found.pop()
-    kind = (str(hf.get("model_type", "")) + " ".join(archs)).lower()
+    kind = (str(hf.get("model_type") or "") + " ".join(archs)).lower()
+    if kind.strip() and "deepseek" not in kind and "bailing" not in kind:
+        raise HFConfigError(f"config.json: model_type {hf.get('model_type')!r} with architectures {archs!r} is "
+                            "none of the layouts Ling2 converts (bailing: BailingMoeV2_5, bailing_hybrid: Ling 3, "
+                            "deepseek_v3); read as one, its fields would mean something else; pass --layout to "
+                            "convert it as one anyway")
     return "deepseek_v3" if "deepseek" in kind else "bailing"
+
+
+def _detected_layout(hf: dict):
+    """detect_layout's answer, or None for a config it cannot place (one converted with a forced --layout)."""
+    try:
+        return detect_layout(hf)
+    except HFConfigError:
+        return None
 
 
 def _layout_kind(layout: str) -> str:
@@ -464,7 +477,7 @@ def config_to_hf(cfg, layout: str, torch_dtype: str = "") -> dict:
     out = _generated(cfg, layout)
     dtype = torch_dtype or cfg.weight_dtype
     src = cfg.hf_source_config
-    if not src or detect_layout(src) != layout:
+    if not src or _detected_layout(src) != layout:
         return {**out, "torch_dtype": dtype}
     want = _meaning(out, layout)
     for k, v in src.items():
