@@ -142,9 +142,14 @@ def output_prefix(prefix: str, key: str, split_sentences: bool) -> str:
     return f"{prefix}_{key}_{'sentence' if split_sentences else 'document'}"
 
 
+def _not_a_file(path: str, what: str) -> str:
+    """How `path` fails to be `what` ("an input file"): a directory is not a missing file."""
+    return f"is a directory, not {what}" if os.path.isdir(path) else f"no such {what.split(' ', 1)[1]}"
+
+
 def _load_tokenizer(path: str) -> Tokenizer:
     if not os.path.isfile(path):
-        raise DataError(f"{path}: no such tokenizer file")
+        raise DataError(f"{path}: {_not_a_file(path, 'a tokenizer file')}")
     try:
         return Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises plain Exception for unreadable or bad JSON
@@ -213,7 +218,7 @@ def run(args) -> dict:
     """Tokenizes `args.input`; returns {key: output prefix}. Bad input raises DataError."""
     _check_flags(args)
     if not os.path.isfile(args.input):
-        raise DataError(f"{args.input}: no such input file")
+        raise DataError(f"{args.input}: {_not_a_file(args.input, 'an input file')}")
     tok = _load_tokenizer(args.tokenizer)
     vocab = tok.get_vocab_size()
     if args.eod_id is None:

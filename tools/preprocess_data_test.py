@@ -139,6 +139,8 @@ def _flipped_gz():
 # TOK unless a flag names another; {d} is the input directory.
 BAD_INPUTS = {
     "no_input": ("missing.jsonl", None, [], r"{d}/missing\.jsonl: no such input file$"),
+    "input_is_dir": (".", None, [], r"{d}: is a directory, not an input file$"),
+    "tokenizer_is_dir": ("in.jsonl", _lines_of(2), ["--tokenizer", "{d}"], r"{d}: is a directory, not a tokenizer file$"),
     "no_tokenizer": ("in.jsonl", _lines_of(2), ["--tokenizer", "{d}/nope.json"],
         r"{d}/nope\.json: no such tokenizer file$"),
     "bad_tokenizer": ("in.jsonl", _lines_of(2), ["--tokenizer", "{d}/bad_tok.json"],
@@ -310,6 +312,7 @@ def test_train_tokenizer_small(tmp_path):
 
 TOKENIZER_BAD_INPUTS = {
     "no_input": (None, r"{d}/in\.jsonl: no such input file$"),
+    "input_is_dir": (b"dir", r"{d}/in\.jsonl: is a directory, not an input file$"),
     "string_line": (b'{"text": "ok"}\n"just a string"\n',
         r"in\.jsonl: line 2: expected a JSON object, got a string$"),
     "text_number": (b'{"text": "ok"}\n\n{"text": 5}\n',
@@ -327,7 +330,9 @@ TOKENIZER_BAD_INPUTS = {
 def test_train_tokenizer_bad_input(tmp_path, capsys, case):
     """Exit 2 and one `error:` line naming the file and line; no tokenizer written."""
     data, want = TOKENIZER_BAD_INPUTS[case]
-    if data is not None:
+    if data == b"dir":
+        (tmp_path / "in.jsonl").mkdir()
+    elif data is not None:
         (tmp_path / "in.jsonl").write_bytes(data)
     rc = train_tok.main(["--input", str(tmp_path / "in.jsonl"), "--output",
                          str(tmp_path / "t.json"), "--vocab-size", "300"])

@@ -108,7 +108,7 @@ def main(argv=None):
             raise InputError(f"--output {a.output}: not a writable file path")
         for path in a.input:
             if not os.path.isfile(path):
-                raise InputError(f"{path}: no such input file")
+                raise InputError(f"{path}: {'is a directory, not an' if os.path.isdir(path) else 'no such'} input file")
         tok = train(a.input, a.vocab_size, a.json_key, a.min_frequency)
         save(tok, a.output)
     except (InputError, DataError) as e:
