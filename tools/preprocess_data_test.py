@@ -313,6 +313,9 @@ def test_train_tokenizer_small(tmp_path):
 TOKENIZER_BAD_INPUTS = {
     "no_input": (None, r"{d}/in\.jsonl: no such input file$"),
     "input_is_dir": (b"dir", r"{d}/in\.jsonl: is a directory, not an input file$"),
+    "empty_file": (b"", r"{d}/in\.jsonl: no text under key 'text'; a tokenizer trained on nothing has no merges"),
+    "blank_lines": (b"\n \n\n", r"{d}/in\.jsonl: no text under key 'text'; "),
+    "empty_texts": (b'{"text": ""}\n{"text": ""}\n', r"{d}/in\.jsonl: no text under key 'text'; "),
     "string_line": (b'{"text": "ok"}\n"just a string"\n',
         r"in\.jsonl: line 2: expected a JSON object, got a string$"),
     "text_number": (b'{"text": "ok"}\n\n{"text": 5}\n',
@@ -344,11 +347,14 @@ def test_train_tokenizer_bad_input(tmp_path, capsys, case):
 
 @pytest.mark.parametrize("flags,want", [
     (["--vocab-size", "100"], r"--vocab-size 100: must be at least 259"),
+    (["--vocab-size", "100000000000"], r"--vocab-size 100000000000: must be at most 16777216"),
+    (["--output", "{d}/in.jsonl"], r"--output {d}/in\.jsonl: is the input {d}/in\.jsonl; writing it would destroy"),
     (["--min-frequency", "0"], r"--min-frequency 0: must be at least 1"),
     (["--output", "{d}"], r"--output {d}: not a writable file path"),
     (["--output", "{d}/no/t.json"], r"--output {d}/no/t\.json: not a writable file path"),
     (["--output", "/proc/t.json"], r"--output /proc/t\.json: (not a writable file path|cannot write: .*)$"),
-], ids=["vocab", "min_frequency", "output_dir", "output_no_dir", "output_unwritable"])
+], ids=["vocab", "vocab_huge", "output_is_input", "min_frequency", "output_dir", "output_no_dir",
+        "output_unwritable"])
 def test_train_tokenizer_bad_flags(tmp_path, capsys, flags, want):
     """Flags the trainer would fail on (or quietly ignore) after reading every input: exit 2 naming the flag,
     checked before training."""
@@ -358,6 +364,7 @@ def test_train_tokenizer_bad_flags(tmp_path, capsys, flags, want):
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
     assert re.search(want.format(d=re.escape(str(tmp_path))), err), err
+    assert (tmp_path / "in.jsonl").read_text() == '{"text": "hello"}\n'
 
 
 def _script(*argv, limit_bytes=None):
