@@ -601,3 +601,14 @@ def test_a_full_disk_is_named_and_keeps_the_previous_output(tmp_path, l2_beyond_
     # (a hidden .state.partial that PlannedWriter's constructor leaves when sizing a file fails is no checkpoint:
     # the next write removes it)
     assert {n: b for n, b in _tree(out).items() if not n.startswith(".")} == before
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e300"])
+def test_shard_gb_that_is_no_positive_finite_size_is_a_usage_error(tmp_path, l2_beyond_fp16, capsys, value):
+    """--shard_gb that is not a positive finite size (inf, or a float whose bytes overflow to inf) exits 2 naming
+    the flag before anything is read or written, never an OverflowError."""
+    with pytest.raises(SystemExit) as e:
+        ling2_to_hf.main(["--ckpt", str(l2_beyond_fp16), "--out", str(tmp_path / "o"), "--shard_gb", value])
+    assert e.value.code == 2
+    assert f"error: --shard_gb must be a positive finite number of GB, got {float(value)}" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
