@@ -274,3 +274,18 @@ def test_evaluate_out_a_failed_write_keeps_the_previous_file(tmp_path):
     assert r.returncode == 0 and r.stdout == f"--out={out}: cannot write: File too large\n", (r.stdout, r.stderr)
     assert out.read_text() == '{"loss": 1.0}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]
+
+
+@pytest.mark.parametrize("module,args", [("generate", ["--prompt_ids=1,2", "--max_new_tokens=2", "--json"]),
+                                         ("evaluate", [f"--data_path={DATA}", "--max_batches=1"])])
+def test_stdout_on_a_full_disk_is_one_error_line(ckpts, module, args):
+    """stdout redirected to a full disk (/dev/full: every write fails with ENOSPC): exit 2 and one `error:` line
+    naming stdout, not a traceback or Python's exit-time message with status 120."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("XLA_FLAGS", None)
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", f"ling2.infer.{module}", f"--ckpt={ckpts}/run", *args], env=env,
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=1800)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines()[-1] == "error: stdout (<stdout>): cannot write: No space left on device", r.stderr
+    assert "Traceback" not in r.stderr

@@ -83,7 +83,7 @@ def main(argv):
 
     logging.set_verbosity(logging.ERROR)  # orbax warns of the step's item-level metadata file it does not need
     from ling2.infer.evaluation import evaluate
-    from ling2.infer.load import InferError, find_file, load_model
+    from ling2.infer.load import InferError, find_file, load_model, print_out
 
     try:
         if not FLAGS.ckpt:
@@ -97,14 +97,14 @@ def main(argv):
         res = evaluate(loaded.model, loaded.cfg, FLAGS.data_path, find_file, FLAGS.split, FLAGS.max_batches,
                        log=lambda s: print(s, file=sys.stderr))
         res["ckpt"] = str(loaded.path)
-        print(table(res))
+        print_out(table(res))
         text = json.dumps(res, indent=2)
         if out is not None:
             write_out(out, text + "\n")
+        print_out(f"wrote {out}" if out is not None else text)
     except InferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out}" if out is not None else text)
     return 0
 
 
