@@ -56,7 +56,12 @@ def main(argv):
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(s, indent=1) if FLAGS.json else table(s))
+    try:
+        print(json.dumps(s, indent=1) if FLAGS.json else table(s))
+        sys.stdout.flush()
+    except OSError as e:  # stdout redirected to a full disk
+        print(f"error: stdout: cannot write: {e.strerror or e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -60,3 +60,20 @@ def test_a_goodput_value_that_is_not_seconds_is_named(tmp_path, capsys):
         assert rc == 2 and out.out == "", (value, out)
         assert out.err == (f"error: {tmp_path}/metrics.jsonl: step 2: goodput/eval_s is {what}, "
                            "not a finite number >= 0\n"), (value, out.err)
+
+
+def test_stdout_on_a_full_disk_is_one_error_line(tmp_path):
+    """The totals go to stdout: redirected to a full disk (/dev/full), exit 2 with one `error:` line naming
+    stdout, not a traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(_rec(1, step=1)) + "\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    tool = Path(goodput.__file__)
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, str(tool), f"--run_dir={tmp_path}"], env=env, stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr == "error: stdout: cannot write: No space left on device\n", r.stderr
