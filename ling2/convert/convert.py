@@ -12,6 +12,7 @@ by orbax).
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -86,11 +87,32 @@ def _castable(src, dst) -> bool:
     return floating(src) or not floating(dst)
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+
+def _check_counts(reader, cfg) -> None:
+    """ConversionError when the config asks for more decoder layers, or more experts, than the checkpoint's
+    tensor names hold (model.layers.N., mlp.experts.N.): found before the model's tensors are listed, which for
+    a config.json claiming, say, 10^5 layers or 10^9 experts takes minutes and tens of GB."""
+    layers = [int(m.group(1)) for n in reader.names() if (m := _LAYER.match(n))]
+    experts = [int(m.group(1)) for n in reader.names() if (m := _EXPERT.search(n))]
+    have = max(layers) + 1 if layers else 0
+    if cfg.base_num_decoder_layers > have:
+        raise ConversionError(f"{reader.dir}: the config has {cfg.base_num_decoder_layers} decoder layers (config.json "
+                              f"num_hidden_layers), the checkpoint's tensors hold {have} (model.layers.N.*)")
+    if experts and cfg.num_experts > max(experts) + 1:
+        raise ConversionError(f"{reader.dir}: the config has {cfg.num_experts} routed experts per MoE layer "
+                              f"(config.json num_experts / n_routed_experts), the checkpoint's tensors "
+                              f"hold {max(experts) + 1} (mlp.experts.N.*)")
+
+
 def _plan(reader, cfg, layout: str, allow_missing_mtp: bool):
     """(leaves, [(entry, HF name)], skip_mtp) after checking `reader` against the model.
 
     Raises ConversionError listing every missing, unexpected, mis-shaped and wrongly typed tensor.
     """
+    _check_counts(reader, cfg)
     leaves = model_leaves(cfg)
     es = mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()})
     names = set(reader.names())
@@ -124,6 +146,7 @@ def _plan(reader, cfg, layout: str, allow_missing_mtp: bool):
 def mtp_absent(reader, cfg, layout: str) -> bool:
     """True when `cfg` has MTP layers and `reader` holds none of their tensors: what transformers'
     `save_pretrained` writes for a Ling 3 model (its BailingHybridForCausalLM has no MTP modules)."""
+    _check_counts(reader, cfg)
     leaves = model_leaves(cfg)
     es = [e for e in mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()}) if e.mtp]
     names = set(reader.names())

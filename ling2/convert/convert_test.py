@@ -1,6 +1,8 @@
 """HF <-> Ling2 conversion: round trips, config mapping, validation errors, file format."""
 
 import json
+import re
+import shutil
 
 import jax
 import ml_dtypes
@@ -612,3 +614,32 @@ def test_shard_gb_that_is_no_positive_finite_size_is_a_usage_error(tmp_path, l2_
     assert e.value.code == 2
     assert f"error: --shard_gb must be a positive finite number of GB, got {float(value)}" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("num_hidden_layers", 100000, r"the config has 100000 decoder layers \(config.json num_hidden_layers\), the "
+                                  r"checkpoint's tensors hold 11 \(model.layers.N.\*\)"),
+    ("num_experts", 10**9, r"the config has 1000000000 routed experts per MoE layer .*, the checkpoint's tensors "
+                           r"hold 16 \(mlp.experts.N.\*\)")])
+@pytest.mark.parametrize("cli", ["hf_to_ling2", "generate"])
+def test_a_config_asking_for_far_more_layers_or_experts_than_the_tensors_is_refused_at_once(
+        tmp_path, hf_tiny, capsys, field, value, message, cli):
+    """A config.json claiming more layers or experts than the checkpoint's tensor names hold exits 2 naming both
+    counts, in seconds: before the model's tensors are listed (minutes and tens of GB for 10^9 experts)."""
+    import time
+
+    shutil.copytree(hf_tiny[0], tmp_path / "hf")
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["num_hidden_layers"] == 10 and hf["num_nextn_predict_layers"] == 1 and hf["num_experts"] == 16
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**hf, field: value}))
+    t0 = time.perf_counter()
+    if cli == "hf_to_ling2":
+        assert hf_to_ling2.main(["--hf_dir", str(tmp_path / "hf"), "--out", str(tmp_path / "l2"), "--no_progress"]) == 2
+        err = capsys.readouterr().err
+    else:
+        from ling2.infer.load import InferError, load_model
+        with pytest.raises(InferError) as e:
+            load_model(tmp_path / "hf")
+        err = f"error: {e.value}\n"
+    assert time.perf_counter() - t0 < 60
+    assert re.search(f"{re.escape(str(tmp_path / 'hf'))}: {message}", err) and err.count("\n") == 1, err
