@@ -75,10 +75,24 @@ class Encoder:
 
     def __init__(self, args):
         self.args = args
+        self.parent = os.getpid()
 
     def initializer(self):
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         Encoder.tokenizer = Tokenizer.from_file(self.args.tokenizer)
+
+    def worker_initializer(self):
+        """A pool worker's: as `initializer`, and the worker is killed with its parent, so that a parent killed
+        (kill -9) mid-run leaves no worker tokenizing on, or dying later with a BrokenPipe traceback on the
+        terminal."""
+        if sys.platform.startswith("linux"):
+            import ctypes
+            import signal
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            if os.getppid() != self.parent:  # the parent died before prctl
+                os._exit(1)
+        self.initializer()
 
     def encode(self, line: str):
         if not line.strip():
@@ -271,7 +285,7 @@ def _tokenize(args, builders: dict, prefixes: dict) -> int:
     encoder = Encoder(args)
     pool = None
     if args.workers > 1:
-        pool = multiprocessing.get_context("fork").Pool(args.workers, encoder.initializer)
+        pool = multiprocessing.get_context("fork").Pool(args.workers, encoder.worker_initializer)
     else:
         encoder.initializer()
     docs = _encoded(lines(args.input), encoder, pool)

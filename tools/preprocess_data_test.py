@@ -465,3 +465,30 @@ def test_train_tokenizer_failed_write_keeps_the_existing_file(tmp_path):
         r.stderr
     assert out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "t.json"]
+
+
+def test_killing_the_parent_kills_its_workers_quietly(tmp_path):
+    """kill -9 of a run with --workers: its worker processes die with it (none left tokenizing, none printing a
+    BrokenPipe traceback when they next report), the dataset at the prefix is untouched and no `.idx` is made."""
+    import signal
+    import time
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(_lines_of(20) * 4000)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), JAX_PLATFORMS="cpu")
+    p = subprocess.Popen([sys.executable, str(HERE / "preprocess_data.py"), "--tokenizer", TOK, "--quiet", "--input",
+                          str(inp), "--output-prefix", str(tmp_path / "o"), "--workers", "2"],
+                         env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(f.stat().st_size for f in tmp_path.glob("o_text_document.bin.*.tmp")) and time.time() < deadline:
+        time.sleep(0.05)
+    workers = [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True)
+               .stdout.split()]
+    assert p.poll() is None and len(workers) == 2, (p.poll(), workers)
+    p.send_signal(signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    time.sleep(1)
+    assert not [w for w in workers if os.path.exists(f"/proc/{w}") and
+                open(f"/proc/{w}/stat").read().split()[2] != "Z"], workers
+    assert "Traceback" not in err, err
+    assert not list(tmp_path.glob("o_text_document.idx*"))
