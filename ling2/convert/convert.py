@@ -259,6 +259,9 @@ def convert_hf_to_ling2(hf_dir, out_dir, *, scan_layers: bool = False, dtype: st
                         allow_missing_mtp: bool = False, overrides=(), progress: bool = True):
     """HF directory -> Ling2 checkpoint directory; returns the Ling2 config."""
     hf = read_hf_config(hf_dir)
+    if Path(out_dir).resolve() == Path(hf_dir).resolve():
+        raise ConversionError(f"--out {out_dir}: is the HF directory converted (--hf_dir); the Ling2 checkpoint "
+                              "written beside its shards would make it two checkpoints in one; choose another")
     layout = hf_config.detect_layout(hf) if layout == "auto" else layout
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype: unknown {dtype!r} (known: {sorted(DTYPES)})")
@@ -300,6 +303,10 @@ def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "auto", config=None,
         raise ConversionError(f"--dtype: unknown {dtype!r} (known: {sorted(DTYPES)})")
     if not Path(ckpt_dir).is_dir():
         raise ConversionError(f"{ckpt_dir}: not a directory")
+    source = (Path(ckpt_dir) / STATE_NAME).resolve()
+    if source in [Path(out_dir).resolve(), *Path(out_dir).resolve().parents]:
+        raise ConversionError(f"--out {out_dir}: is in the checkpoint's own {source}; the HF shards, named as its "
+                              "own, would replace the tensors converted; choose another directory")
     cfg = read_config(config) if config else saved_config(ckpt_dir)
     if (Path(ckpt_dir) / STATE_NAME / INDEX_NAME).is_file() and (
             config is None or not saved.is_file() or read_config(saved).scan_layers == cfg.scan_layers):

@@ -643,3 +643,18 @@ def test_a_config_asking_for_far_more_layers_or_experts_than_the_tensors_is_refu
         err = f"error: {e.value}\n"
     assert time.perf_counter() - t0 < 60
     assert re.search(f"{re.escape(str(tmp_path / 'hf'))}: {message}", err) and err.count("\n") == 1, err
+
+
+def test_an_out_that_is_the_source_is_refused_and_the_source_kept(tmp_path, l2_beyond_fp16, capsys):
+    """hf_to_ling2 --out the --hf_dir itself, and ling2_to_hf --out the checkpoint's own state/ (whose shard and
+    index names the HF ones share): exit 2 naming --out, both sources byte for byte as they were."""
+    hf, l2 = tmp_path / "hf", tmp_path / "l2"
+    shutil.copytree(l2_beyond_fp16.parent / "hf", hf)
+    shutil.copytree(l2_beyond_fp16, l2)
+    before = {d: _tree(d) for d in (hf, l2)}
+    assert hf_to_ling2.main(["--hf_dir", str(hf), "--out", str(hf), "--no_progress"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: ConversionError: --out {hf}: is the HF directory converted")
+    for out in (l2 / "state", l2 / "state" / "sub"):
+        assert ling2_to_hf.main(["--ckpt", str(l2), "--out", str(out), "--no_progress"]) == 2
+        assert capsys.readouterr().err.startswith(f"error: ConversionError: --out {out}: is in the checkpoint's own")
+    assert {d: _tree(d) for d in (hf, l2)} == before
