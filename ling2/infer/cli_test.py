@@ -289,3 +289,21 @@ def test_stdout_on_a_full_disk_is_one_error_line(ckpts, module, args):
     assert r.returncode == 2, r.stderr
     assert r.stderr.splitlines()[-1] == "error: stdout (<stdout>): cannot write: No space left on device", r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_prompts_file_lines_end_only_at_newlines(ckpts, tmp_path):
+    """A text prompt holding a form feed or U+2028 (a line separator to str.splitlines, text to a prompts file) is
+    one prompt; CRLF ends a line as LF does; a later line's error names its number counted by newlines."""
+    from tokenizers import Tokenizer
+
+    text = "It is a truth\u2028universally\x0cacknowledged"
+    f = tmp_path / "prompts.txt"
+    f.write_bytes(f"{text}\r\n{{\"ids\": [5, 6]}}\r\n".encode())
+    r = run("generate", f"--ckpt={ckpts}/run", f"--prompts_file={f}", "--max_new_tokens=3", "--json")
+    assert r.returncode == 0, r.stderr
+    loaded = load_model(ckpts / "run")
+    ids = Tokenizer.from_file(TOKENIZER).encode(text, add_special_tokens=False).ids
+    assert json.loads(r.stdout) == {"ids": generate(loaded.model, [ids, [5, 6]], 3, stop_ids=loaded.stop_ids).ids}
+    f.write_text(f"{text}\n{{\"ids\": [1.5]}}\n")
+    r = run("generate", f"--ckpt={ckpts}/run", f"--prompts_file={f}", "--max_new_tokens=3")
+    assert r.returncode == 2 and r.stderr == f"error: {f}:2: \"ids\" must be integers, got 1.5\n", r.stderr

@@ -71,8 +71,10 @@ def read_prompts() -> list:
             at = e.start + (len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0)
             n = data.count(b"\n", 0, at) + 1
             raise InferError(f"{path}:{n}: not UTF-8 (byte 0x{data[at]:02x} at offset {at})") from None
-        for n, line in enumerate(text.splitlines(), start=1):
-            line = line.rstrip("\n")
+        # Lines end at "\n" (and "\r\n") only: str.splitlines also ends them at form feeds, U+2028 and other
+        # separators that are text inside a prompt, which would split it in two and misnumber the lines.
+        for n, line in enumerate(text.split("\n"), start=1):
+            line = line.removesuffix("\r")
             if not line.strip():
                 continue
             if line.lstrip().startswith("{"):
