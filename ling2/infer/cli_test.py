@@ -307,3 +307,21 @@ def test_prompts_file_lines_end_only_at_newlines(ckpts, tmp_path):
     f.write_text(f"{text}\n{{\"ids\": [1.5]}}\n")
     r = run("generate", f"--ckpt={ckpts}/run", f"--prompts_file={f}", "--max_new_tokens=3")
     assert r.returncode == 2 and r.stderr == f"error: {f}:2: \"ids\" must be integers, got 1.5\n", r.stderr
+
+
+def test_evaluate_a_token_id_outside_the_vocabulary_is_one_error_line(ckpts, tmp_path):
+    """A token id past the model's vocabulary, found as its batch is read: exit 2 and one `error:` line naming the
+    .bin, the sequence, the offset and the id (the data package's message), not a traceback."""
+    from ling2.data import indexed
+
+    vocab = load_config(MICRO).vocab_size
+    rng = np.random.default_rng(0)
+    docs = [[list(rng.integers(0, vocab, 300))] for _ in range(40)]
+    docs[30][0][5] = vocab + 7
+    indexed.write_dataset(str(tmp_path / "oov"), docs, dtype=np.uint16 if vocab + 7 < 65536 else np.int32)
+    r = run("evaluate", f"--ckpt={ckpts}/run", f"--data_path={tmp_path / 'oov'}", "--split=train",
+            "--max_batches=100", "data_split=100,0,0")
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    last = r.stderr.splitlines()[-1]
+    assert last.startswith("error: data (train split, ") and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"oov.bin: token id {vocab + 7} at sequence 30 (document 30), token offset 5" in last, last
