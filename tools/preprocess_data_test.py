@@ -140,7 +140,8 @@ def _flipped_gz():
 BAD_INPUTS = {
     "no_input": ("missing.jsonl", None, [], r"{d}/missing\.jsonl: no such input file$"),
     "input_is_dir": (".", None, [], r"{d}: is a directory, not an input file$"),
-    "tokenizer_is_dir": ("in.jsonl", _lines_of(2), ["--tokenizer", "{d}"], r"{d}: is a directory, not a tokenizer file$"),
+    "tokenizer_is_dir": ("in.jsonl", _lines_of(2), ["--tokenizer", "{d}"],
+        r"{d}: is a directory, not a tokenizer file$"),
     "no_tokenizer": ("in.jsonl", _lines_of(2), ["--tokenizer", "{d}/nope.json"],
         r"{d}/nope\.json: no such tokenizer file$"),
     "bad_tokenizer": ("in.jsonl", _lines_of(2), ["--tokenizer", "{d}/bad_tok.json"],

@@ -24,8 +24,8 @@ from flax import nnx
 from tqdm import tqdm
 
 from ling2.checkpoint.manager import saved_config
-from ling2.checkpoint.safetensors_io import (INDEX_NAME, PlannedWriter, SafetensorsError, ShardedReader, is_float,
-                                             count_beyond, overflow_limit)
+from ling2.checkpoint.safetensors_io import (INDEX_NAME, SINGLE_NAME, PlannedWriter, SafetensorsError, ShardedReader,
+                                             is_float, count_beyond, overflow_limit)
 from ling2.checkpoint.state import (CONFIG_NAME, CheckpointError, STATE_NAME, check_shapes, flat, key, load_state,
                                     model_leaves, read_config, state_writer, unflat)
 from ling2.config import ConfigError
@@ -307,6 +307,9 @@ def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "auto", config=None,
     if source in [Path(out_dir).resolve(), *Path(out_dir).resolve().parents]:
         raise ConversionError(f"--out {out_dir}: is in the checkpoint's own {source}; the HF shards, named as its "
                               "own, would replace the tensors converted; choose another directory")
+    if (Path(out_dir) / SINGLE_NAME).exists():
+        raise ConversionError(f"--out {out_dir}: holds {SINGLE_NAME}, which loaders (transformers among them) read "
+                              f"in place of the sharded checkpoint written; remove it or choose another directory")
     cfg = read_config(config) if config else saved_config(ckpt_dir)
     if (Path(ckpt_dir) / STATE_NAME / INDEX_NAME).is_file() and (
             config is None or not saved.is_file() or read_config(saved).scan_layers == cfg.scan_layers):

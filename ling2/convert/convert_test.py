@@ -508,7 +508,8 @@ def test_a_failed_ling2_to_hf_leaves_the_previous_output_as_it_was(tmp_path, l2_
     a conversion refused half way (a weight float16 cannot hold) exits 2 and leaves every file of the earlier
     one byte for byte (it still loads), with nothing else in the directory."""
     out = tmp_path / "hf"
-    run = lambda *a: ling2_to_hf.main(["--ckpt", str(l2_beyond_fp16), "--out", str(out), "--no_progress", *a])  # noqa: E731
+    run = lambda *a: ling2_to_hf.main(["--ckpt", str(l2_beyond_fp16), "--out", str(out),  # noqa: E731
+                                       "--no_progress", *a])
     assert run("--shard_gb", "0.01") == 0
     before = _tree(out)
     assert len([n for n in before if n.endswith(".safetensors")]) > 1
@@ -658,3 +659,15 @@ def test_an_out_that_is_the_source_is_refused_and_the_source_kept(tmp_path, l2_b
         assert ling2_to_hf.main(["--ckpt", str(l2), "--out", str(out), "--no_progress"]) == 2
         assert capsys.readouterr().err.startswith(f"error: ConversionError: --out {out}: is in the checkpoint's own")
     assert {d: _tree(d) for d in (hf, l2)} == before
+
+
+def test_ling2_to_hf_refuses_an_out_holding_a_single_file_checkpoint(tmp_path, l2_beyond_fp16, capsys):
+    """An --out holding model.safetensors (a single-file HF checkpoint), which transformers loads before any
+    index: the shards written beside it would never be read. Exit 2 naming it; the directory is untouched."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    safetensors.numpy.save_file({"w": np.ones((2, 2), np.float32)}, str(out / "model.safetensors"))
+    before = _tree(out)
+    assert ling2_to_hf.main(["--ckpt", str(l2_beyond_fp16), "--out", str(out), "--no_progress"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: ConversionError: --out {out}: holds model.safetensors, which ")
+    assert _tree(out) == before
