@@ -493,3 +493,25 @@ def test_killing_the_parent_kills_its_workers_quietly(tmp_path):
                 open(f"/proc/{w}/stat").read().split()[2] != "Z"], workers
     assert "Traceback" not in err, err
     assert not list(tmp_path.glob("o_text_document.idx*"))
+
+
+def test_train_tokenizer_output_that_is_no_regular_file_is_written_to_not_replaced(tmp_path):
+    """--output naming a FIFO (or /dev/null): the tokenizer goes into it and it stays what it was, never
+    replaced by a renamed regular file."""
+    import stat
+
+    inp = tmp_path / "c.jsonl"
+    inp.write_text("".join(json.dumps({"text": "the cat sat on the mat " * 5}) + "\n" for _ in range(20)))
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert train_tok.main(["--input", str(inp), "--output", str(fifo), "--vocab-size", "300"]) == 0
+        data = b""
+        while chunk := os.read(fd, 1 << 16):
+            data += chunk
+    finally:
+        os.close(fd)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert Tokenizer.from_str(data.decode()).token_to_id("<eod>") == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "pipe"]

@@ -81,6 +81,12 @@ def save(tok: Tokenizer, output: str) -> None:
     """Writes `tok` to a temporary file beside `output`, syncs it and renames it into place, so that a
     failed or killed write (a full disk) leaves the file that was at `output` as it was, never a cut-short
     tokenizer.json; InputError naming --output when the write fails."""
+    if os.path.exists(output) and not os.path.isfile(output):  # /dev/null, a FIFO: written to, never replaced
+        try:
+            tok.save(output)
+        except Exception as e:  # the tokenizers library raises a bare Exception for an OS error
+            raise InputError(f"--output {output}: cannot write: {e}") from None
+        return
     tmp = os.path.join(os.path.dirname(os.path.abspath(output)), f".{os.path.basename(output)}.{os.getpid()}.tmp")
     try:
         try:

@@ -325,3 +325,23 @@ def test_evaluate_a_token_id_outside_the_vocabulary_is_one_error_line(ckpts, tmp
     last = r.stderr.splitlines()[-1]
     assert last.startswith("error: data (train split, ") and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert f"oov.bin: token id {vocab + 7} at sequence 30 (document 30), token offset 5" in last, last
+
+
+def test_evaluate_out_that_is_no_regular_file_is_written_to_not_replaced(tmp_path):
+    """--out naming a FIFO (or /dev/null): the text goes into it and it stays what it was; the temporary file
+    and rename that keep a regular file whole would put a regular file in its place."""
+    import stat
+    from pathlib import Path
+
+    from ling2.infer.evaluate import write_out
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        write_out(Path(fifo), '{"loss": 1.0}\n')
+        assert os.read(fd, 1 << 16) == b'{"loss": 1.0}\n'
+    finally:
+        os.close(fd)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]

@@ -64,6 +64,12 @@ def write_out(out: Path, text: str) -> None:
     previous `out` as it was (or none), never a cut-short JSON."""
     from ling2.infer.load import InferError
 
+    if out.exists() and not out.is_file():  # /dev/null, a FIFO: written to, never replaced by a renamed file
+        try:
+            out.write_text(text)
+        except OSError as e:
+            raise InferError(f"--out={out}: cannot write: {e.strerror or e}") from None
+        return
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
