@@ -329,17 +329,20 @@ def test_evaluate_a_token_id_outside_the_vocabulary_is_one_error_line(ckpts, tmp
 
 def test_evaluate_out_that_is_no_regular_file_is_written_to_not_replaced(tmp_path):
     """--out naming a FIFO (or /dev/null): the text goes into it and it stays what it was; the temporary file
-    and rename that keep a regular file whole would put a regular file in its place."""
+    and rename that keep a regular file whole would put a regular file in its place. (A subprocess: importing
+    evaluate here would define its flags a second time beside generate's.)"""
     import stat
-    from pathlib import Path
-
-    from ling2.infer.evaluate import write_out
 
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    code = ("from pathlib import Path\n"
+            "from ling2.infer.evaluate import write_out\n"
+            f"write_out(Path({str(fifo)!r}), '{{\"loss\": 1.0}}\\n')\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
     try:
-        write_out(Path(fifo), '{"loss": 1.0}\n')
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
         assert os.read(fd, 1 << 16) == b'{"loss": 1.0}\n'
     finally:
         os.close(fd)
