@@ -109,7 +109,11 @@ class HFConfigError(ValueError):
 def detect_layout(hf: dict) -> str:
     """The layout of a config.json: by `architectures` where model_type is bailing_hybrid (Ling 2.6 and 3
     share it), else deepseek_v3 or bailing by name."""
-    archs = [str(a) for a in hf.get("architectures") or []]
+    archs = hf.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise HFConfigError(f"config.json: architectures must be a list of class names, got {archs!r}")
+    if not isinstance(hf.get("model_type") or "", str):
+        raise HFConfigError(f"config.json: model_type must be a string, got {hf.get('model_type')!r}")
     if hf.get("model_type") == "bailing_hybrid" or any(a in HYBRID_ARCHITECTURES for a in archs):
         found = {HYBRID_ARCHITECTURES[a] for a in archs if a in HYBRID_ARCHITECTURES}
         if len(found) != 1:

@@ -226,3 +226,17 @@ def test_a_config_of_another_architecture_is_refused_unless_a_layout_is_forced(t
     assert run("--layout", "bailing") == 0
     assert ling2_to_hf.main(["--ckpt", str(tmp_path / "l2"), "--out", str(tmp_path / "hf2"), "--no_progress"]) == 0
     assert sorted(ShardedReader(tmp_path / "hf2").names()) == sorted(ShardedReader(tmp_path / "hf").names())
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"architectures": "BailingMoeV2_5ForCausalLM"}, "architectures must be a list of class names, got 'Bailing"),
+    ({"architectures": 5}, "architectures must be a list of class names, got 5"),
+    ({"architectures": [None]}, r"architectures must be a list of class names, got \[None\]"),
+    ({"model_type": 5}, "model_type must be a string, got 5"),
+])
+def test_architectures_and_model_type_of_the_wrong_type_are_named(fields, message):
+    """A config.json's architectures that are not a list of strings (a bare string was read letter by letter, a
+    number was a TypeError) or a model_type that is not a string: an HFConfigError naming the field."""
+    with pytest.raises(hf_config.HFConfigError, match=f"^config.json: {message}"):
+        hf_config.detect_layout({"model_type": "bailing_moe_v2_5", "architectures": ["BailingMoeV2_5ForCausalLM"],
+                                 **fields})
