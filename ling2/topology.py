@@ -191,6 +191,8 @@ def _cubes(chips: int) -> tuple:
 def _shape(generation: str, count: int):
     """(chips-per-slice shape, wrap) for a name's number, or None when no such slice exists."""
     chip = CHIPS[generation]
+    if count < 1:
+        return None
     if chip.platform == "cuda":
         if count in (1, 2, 4, 8):
             return (1, count), None
@@ -243,7 +245,7 @@ def parse(name: str, num_slices: int = 1) -> Topology:
         raise ValueError(f"topology {name}: num_slices applies to TPU slices; for more GPUs name more "
                          f"({gen}-{int(m.group(2)) * num_slices})")
     shape, wrap = found
-    return Topology(f"{gen}-{m.group(2)}", chip, shape, num_slices, wrap or (False, False, False))
+    return Topology(f"{gen}-{int(m.group(2))}", chip, shape, num_slices, wrap or (False, False, False))
 
 
 @functools.lru_cache(maxsize=None)

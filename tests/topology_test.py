@@ -90,7 +90,8 @@ def test_gpu_names():
         topology.parse("h100-8", num_slices=2)
 
 
-@pytest.mark.parametrize("bad", ["v5p-100", "v5p-7", "v5e-2", "v6e-512", "v4-8194", "v7-8", "h100-12", "tpu", ""])
+@pytest.mark.parametrize("bad", ["v5p-100", "v5p-7", "v5e-2", "v6e-512", "v4-8194", "v7-8", "h100-12", "tpu", "",
+                                 "h100-0", "h200-0", "v4-0", "v5p-0", "tpu7x-0", "v6e-0"])
 def test_unknown_names_list_the_known_ones(bad):
     with pytest.raises(ValueError) as e:
         topology.parse(bad)
@@ -108,3 +109,8 @@ def test_without_the_platform_venv_the_error_names_it(name, config):
     """This test runs in the cpu venv: neither libtpu nor JAX's CUDA plugin is installed."""
     with pytest.raises(RuntimeError, match=config):
         topology.devices(name)
+
+
+def test_a_count_with_leading_zeros_is_named_as_written_without_them():
+    """v5p-08 is v5p-8 (the number is read as a number): its name is the canonical one."""
+    assert topology.parse("v5p-08").name == "v5p-8" and topology.parse("h100-016").name == "h100-16"

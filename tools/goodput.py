@@ -7,12 +7,14 @@ cut-short run had logged past the checkpoint the next run resumed from).
 """
 
 import json
+import math
 import sys
 
 from absl import app, flags
 
 from ling2.config import cli
 from ling2.config.paths import user_path
+from ling2.data.jsonl import json_type
 from ling2.train import goodput
 from ling2.train.metrics import read_metrics
 
@@ -28,6 +30,17 @@ def table(s: dict) -> str:
     return "\n".join(f"{a:<12}{b:>14}  {c}" for a, b, c in rows)
 
 
+def check_values(rows: list[dict], path) -> None:
+    """ValueError naming the file, step and field of a goodput value that is not a finite number of at least
+    0 (seconds, lost steps): anything else would be a Python error, or totals that are silently wrong."""
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("goodput/") and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                             or not math.isfinite(v) or v < 0):
+                what = json_type(v) if isinstance(v, bool) or not isinstance(v, (int, float)) else v
+                raise ValueError(f"{path}: step {r['step']}: {k} is {what}, not a finite number >= 0")
+
+
 def main(argv):
     if len(argv) > 1 or not FLAGS.run_dir:
         print("error: usage: goodput --run_dir=DIR [--json]", file=sys.stderr)
@@ -37,11 +50,18 @@ def main(argv):
         print(f"error: {path}: no metrics.jsonl (not a trainer run directory?)", file=sys.stderr)
         return 2
     try:
-        s = goodput.summary(read_metrics(path))
+        rows = read_metrics(path)
+        check_values(rows, path)
+        s = goodput.summary(rows)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(s, indent=1) if FLAGS.json else table(s))
+    try:
+        print(json.dumps(s, indent=1) if FLAGS.json else table(s))
+        sys.stdout.flush()
+    except OSError as e:  # stdout redirected to a full disk
+        print(f"error: stdout: cannot write: {e.strerror or e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -47,3 +47,33 @@ def test_non_utf8_metrics_is_named(tmp_path, capsys):
     rc, out = _main(capsys, f"--run_dir={tmp_path}")
     off = len(json.dumps(_rec(1, step=1))) + 1 + len('{"step": 2, "x": "caf')
     assert rc == 2 and out.err == f"error: {tmp_path}/metrics.jsonl:2: not UTF-8 (byte b'\\xe9' at offset {off})\n"
+
+
+def test_a_goodput_value_that_is_not_seconds_is_named(tmp_path, capsys):
+    """A goodput field that is not a finite number >= 0: exit 2 naming the file, step and field, never a
+    traceback or totals built from it."""
+    for value, what in (('"abc"', "a string"), ("[1]", "an array"), ("null", "null"), ("true", "a boolean"),
+                        ("-3.0", "-3.0"), ('"nan"', "nan"), ('"inf"', "inf")):
+        line = json.dumps(_rec(2, step=1))[:-1] + f', "goodput/eval_s": {value}}}'
+        (tmp_path / "metrics.jsonl").write_text(json.dumps(_rec(1, step=1)) + "\n" + line + "\n")
+        rc, out = _main(capsys, f"--run_dir={tmp_path}", "--json")
+        assert rc == 2 and out.out == "", (value, out)
+        assert out.err == (f"error: {tmp_path}/metrics.jsonl: step 2: goodput/eval_s is {what}, "
+                           "not a finite number >= 0\n"), (value, out.err)
+
+
+def test_stdout_on_a_full_disk_is_one_error_line(tmp_path):
+    """The totals go to stdout: redirected to a full disk (/dev/full), exit 2 with one `error:` line naming
+    stdout, not a traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(_rec(1, step=1)) + "\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    tool = Path(goodput.__file__)
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, str(tool), f"--run_dir={tmp_path}"], env=env, stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr == "error: stdout: cannot write: No space left on device\n", r.stderr

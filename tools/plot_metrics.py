@@ -20,6 +20,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from ling2.config.paths import user_path  # noqa: E402
+from ling2.data.jsonl import json_type  # noqa: E402
 from ling2.train.metrics import read_metrics  # noqa: E402
 
 flags.DEFINE_string("metrics", None, "Path to metrics.jsonl.")
@@ -52,6 +53,17 @@ def figure(rows: list[dict]):
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def check_values(rows: list[dict], path) -> None:
+    """ValueError naming the file, step and metric of a plotted value that is not a number (a string, a list,
+    null, a boolean), which matplotlib would fail on, or plot as 0 or 1, after the output was opened.
+    NaN and Inf (read_metrics gives them back as floats) are numbers: gaps in the curves."""
+    for r in rows:
+        for k, v in r.items():
+            if k in ("loss", "eval_loss", "lr", "tokens_per_s") or k.startswith("mtp_loss/"):
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ValueError(f"{path}: step {r['step']}: {k} is {json_type(v)}, not a number")
 
 
 def plot(rows: list[dict], out, fmt: str | None = None) -> None:
@@ -91,6 +103,7 @@ def main(argv):
     try:
         out = output_path(FLAGS.out, path)
         rows = read_metrics(path)
+        check_values(rows, path)
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -103,3 +103,18 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, case):
     assert rc == 2 and res.out == "" and res.err.startswith("error: ") and res.err.count("\n") == 1, res
     assert re.fullmatch("error: " + want.format(d=re.escape(str(tmp_path))) + ".*", res.err.rstrip("\n")), res.err
     assert sorted(tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("value,what", [('"abc"', "a string"), ("[1, 2]", "an array"), ("null", "null"),
+                                        ("true", "a boolean"), ("{}", "an object")])
+@pytest.mark.parametrize("metric", ["loss", "eval_loss", "lr", "tokens_per_s", "mtp_loss/1"])
+def test_a_value_that_is_not_a_number_is_named(tmp_path, capsys, metric, value, what):
+    """A plotted metric that is not a number: exit 2 and one `error:` line naming the file, step and metric;
+    no image written."""
+    m = tmp_path / "metrics.jsonl"
+    m.write_text('{"step": 1, "loss": 2.0, "lr": 0.1, "tokens_per_s": 5}\n'
+                 f'{{"step": 2, "loss": 1.5, "lr": 0.1, "tokens_per_s": 5, "{metric}": {value}}}\n')
+    rc, res = _main(capsys, f"--metrics={m}", f"--out={tmp_path / 'c.png'}")
+    assert rc == 2 and res.out == "", res
+    assert res.err == f"error: {m}: step 2: {metric} is {what}, not a number\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]

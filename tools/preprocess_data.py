@@ -21,6 +21,7 @@ stderr naming the file and line, and exit status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -74,10 +75,24 @@ class Encoder:
 
     def __init__(self, args):
         self.args = args
+        self.parent = os.getpid()
 
     def initializer(self):
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         Encoder.tokenizer = Tokenizer.from_file(self.args.tokenizer)
+
+    def worker_initializer(self):
+        """A pool worker's: as `initializer`, and the worker is killed with its parent, so that a parent killed
+        (kill -9) mid-run leaves no worker tokenizing on, or dying later with a BrokenPipe traceback on the
+        terminal."""
+        if sys.platform.startswith("linux"):
+            import ctypes
+            import signal
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            if os.getppid() != self.parent:  # the parent died before prctl
+                os._exit(1)
+        self.initializer()
 
     def encode(self, line: str):
         if not line.strip():
@@ -141,9 +156,14 @@ def output_prefix(prefix: str, key: str, split_sentences: bool) -> str:
     return f"{prefix}_{key}_{'sentence' if split_sentences else 'document'}"
 
 
+def _not_a_file(path: str, what: str) -> str:
+    """How `path` fails to be `what` ("an input file"): a directory is not a missing file."""
+    return f"is a directory, not {what}" if os.path.isdir(path) else f"no such {what.split(' ', 1)[1]}"
+
+
 def _load_tokenizer(path: str) -> Tokenizer:
     if not os.path.isfile(path):
-        raise DataError(f"{path}: no such tokenizer file")
+        raise DataError(f"{path}: {_not_a_file(path, 'a tokenizer file')}")
     try:
         return Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises plain Exception for unreadable or bad JSON
@@ -152,6 +172,44 @@ def _load_tokenizer(path: str) -> Tokenizer:
 
 def _tmp(path: str) -> str:
     return f"{path}.{os.getpid()}.tmp"
+
+
+@contextlib.contextmanager
+def _writing(path: str):
+    """An OSError while writing `path` (its temporary file) as a DataError naming `path`: a full disk
+    (ENOSPC), a quota, an I/O error."""
+    try:
+        yield
+    except OSError as e:
+        raise DataError(f"{path}: cannot write: {e.strerror or e}") from None
+
+
+def _publish(prefixes) -> None:
+    """Puts each finished pair in place of the old one: both files are first synced to disk, and the old
+    `.idx` is removed before the `.bin` is replaced, so that a kill or crash between the renames leaves a
+    `.bin` without an `.idx` (refused by the reader), never the new `.bin` beside the old `.idx` (which
+    the reader could take for a whole dataset when the sizes agree)."""
+    for p in prefixes:
+        for path in (indexed.bin_path(p), indexed.idx_path(p)):
+            with _writing(path):
+                fd = os.open(_tmp(path), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+    for p in prefixes:
+        bin_file, idx_file = indexed.bin_path(p), indexed.idx_path(p)
+        with _writing(idx_file):
+            if os.path.lexists(idx_file):
+                os.remove(idx_file)
+            os.replace(_tmp(bin_file), bin_file)
+            os.replace(_tmp(idx_file), idx_file)
+    for d in {os.path.dirname(p) or "." for p in prefixes}:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _check_flags(args) -> None:
@@ -174,7 +232,7 @@ def run(args) -> dict:
     """Tokenizes `args.input`; returns {key: output prefix}. Bad input raises DataError."""
     _check_flags(args)
     if not os.path.isfile(args.input):
-        raise DataError(f"{args.input}: no such input file")
+        raise DataError(f"{args.input}: {_not_a_file(args.input, 'an input file')}")
     tok = _load_tokenizer(args.tokenizer)
     vocab = tok.get_vocab_size()
     if args.eod_id is None:
@@ -198,18 +256,21 @@ def run(args) -> dict:
                 builders[k] = indexed.IndexedDatasetBuilder(_tmp(indexed.bin_path(p)), dtype=dtype)
             except OSError as e:
                 raise DataError(f"{indexed.bin_path(p)}: cannot write: {e.strerror or e}") from None
-        n_tokens = _tokenize(args, builders)
+        n_tokens = _tokenize(args, builders, prefixes)
         for k, p in prefixes.items():
-            builders[k].finalize(_tmp(indexed.idx_path(p)))
-        for p in prefixes.values():
-            for path in (indexed.bin_path(p), indexed.idx_path(p)):  # .idx last
-                os.replace(_tmp(path), path)
+            with _writing(indexed.idx_path(p)):
+                builders[k].finalize(_tmp(indexed.idx_path(p)))
+        _publish(prefixes.values())
     except BaseException:
         for k, p in prefixes.items():
             if k in builders:
-                builders[k].discard()
-            if os.path.exists(_tmp(indexed.idx_path(p))):
-                os.remove(_tmp(indexed.idx_path(p)))
+                try:
+                    builders[k].discard()
+                except OSError:  # closing flushes the buffer, which fails again on a full disk
+                    pass
+            for path in (indexed.bin_path(p), indexed.idx_path(p)):
+                if os.path.exists(_tmp(path)):
+                    os.remove(_tmp(path))
         raise
     if not args.quiet:
         dt = max(time.time() - t0, 1e-9)
@@ -218,12 +279,13 @@ def run(args) -> dict:
     return prefixes
 
 
-def _tokenize(args, builders: dict) -> int:
-    """Feeds every document of `args.input` to `builders` ({key: builder}); the token count."""
+def _tokenize(args, builders: dict, prefixes: dict) -> int:
+    """Feeds every document of `args.input` to `builders` ({key: builder}); the token count. A failed
+    write is a DataError naming the `.bin` of `prefixes` ({key: output prefix})."""
     encoder = Encoder(args)
     pool = None
     if args.workers > 1:
-        pool = multiprocessing.get_context("fork").Pool(args.workers, encoder.initializer)
+        pool = multiprocessing.get_context("fork").Pool(args.workers, encoder.worker_initializer)
     else:
         encoder.initializer()
     docs = _encoded(lines(args.input), encoder, pool)
@@ -236,7 +298,8 @@ def _tokenize(args, builders: dict) -> int:
                     continue
                 raise DataError(f"{args.input}: JSON line {line}: {lens}")
             for k in args.json_keys:
-                builders[k].add_document(np.asarray(ids[k], dtype=np.int64), lens[k])
+                with _writing(indexed.bin_path(prefixes[k])):
+                    builders[k].add_document(np.asarray(ids[k], dtype=np.int64), lens[k])
                 tokens[k] += len(ids[k])
                 bar.update(len(ids[k]))
             n_docs += 1

@@ -139,6 +139,9 @@ def _flipped_gz():
 # TOK unless a flag names another; {d} is the input directory.
 BAD_INPUTS = {
     "no_input": ("missing.jsonl", None, [], r"{d}/missing\.jsonl: no such input file$"),
+    "input_is_dir": (".", None, [], r"{d}: is a directory, not an input file$"),
+    "tokenizer_is_dir": ("in.jsonl", _lines_of(2), ["--tokenizer", "{d}"],
+        r"{d}: is a directory, not a tokenizer file$"),
     "no_tokenizer": ("in.jsonl", _lines_of(2), ["--tokenizer", "{d}/nope.json"],
         r"{d}/nope\.json: no such tokenizer file$"),
     "bad_tokenizer": ("in.jsonl", _lines_of(2), ["--tokenizer", "{d}/bad_tok.json"],
@@ -310,6 +313,10 @@ def test_train_tokenizer_small(tmp_path):
 
 TOKENIZER_BAD_INPUTS = {
     "no_input": (None, r"{d}/in\.jsonl: no such input file$"),
+    "input_is_dir": (b"dir", r"{d}/in\.jsonl: is a directory, not an input file$"),
+    "empty_file": (b"", r"{d}/in\.jsonl: no text under key 'text'; a tokenizer trained on nothing has no merges"),
+    "blank_lines": (b"\n \n\n", r"{d}/in\.jsonl: no text under key 'text'; "),
+    "empty_texts": (b'{"text": ""}\n{"text": ""}\n', r"{d}/in\.jsonl: no text under key 'text'; "),
     "string_line": (b'{"text": "ok"}\n"just a string"\n',
         r"in\.jsonl: line 2: expected a JSON object, got a string$"),
     "text_number": (b'{"text": "ok"}\n\n{"text": 5}\n',
@@ -327,7 +334,9 @@ TOKENIZER_BAD_INPUTS = {
 def test_train_tokenizer_bad_input(tmp_path, capsys, case):
     """Exit 2 and one `error:` line naming the file and line; no tokenizer written."""
     data, want = TOKENIZER_BAD_INPUTS[case]
-    if data is not None:
+    if data == b"dir":
+        (tmp_path / "in.jsonl").mkdir()
+    elif data is not None:
         (tmp_path / "in.jsonl").write_bytes(data)
     rc = train_tok.main(["--input", str(tmp_path / "in.jsonl"), "--output",
                          str(tmp_path / "t.json"), "--vocab-size", "300"])
@@ -339,11 +348,14 @@ def test_train_tokenizer_bad_input(tmp_path, capsys, case):
 
 @pytest.mark.parametrize("flags,want", [
     (["--vocab-size", "100"], r"--vocab-size 100: must be at least 259"),
+    (["--vocab-size", "100000000000"], r"--vocab-size 100000000000: must be at most 16777216"),
+    (["--output", "{d}/in.jsonl"], r"--output {d}/in\.jsonl: is the input {d}/in\.jsonl; writing it would destroy"),
     (["--min-frequency", "0"], r"--min-frequency 0: must be at least 1"),
     (["--output", "{d}"], r"--output {d}: not a writable file path"),
     (["--output", "{d}/no/t.json"], r"--output {d}/no/t\.json: not a writable file path"),
     (["--output", "/proc/t.json"], r"--output /proc/t\.json: (not a writable file path|cannot write: .*)$"),
-], ids=["vocab", "min_frequency", "output_dir", "output_no_dir", "output_unwritable"])
+], ids=["vocab", "vocab_huge", "output_is_input", "min_frequency", "output_dir", "output_no_dir",
+        "output_unwritable"])
 def test_train_tokenizer_bad_flags(tmp_path, capsys, flags, want):
     """Flags the trainer would fail on (or quietly ignore) after reading every input: exit 2 naming the flag,
     checked before training."""
@@ -353,3 +365,153 @@ def test_train_tokenizer_bad_flags(tmp_path, capsys, flags, want):
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
     assert re.search(want.format(d=re.escape(str(tmp_path))), err), err
+    assert (tmp_path / "in.jsonl").read_text() == '{"text": "hello"}\n'
+
+
+def _script(*argv, limit_bytes=None):
+    """The tool run as a script; with `limit_bytes`, no file it writes may grow past that many bytes
+    (RLIMIT_FSIZE: the kernel fails the write, as a full disk does)."""
+    import resource
+    import signal
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, str(HERE / "preprocess_data.py"), "--tokenizer", TOK, "--quiet",
+                           *argv], capture_output=True, text=True, env=env, timeout=300,
+                          preexec_fn=limit if limit_bytes else None)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_failed_write_is_named_and_keeps_the_existing_dataset(tmp_path, workers):
+    """A write the file system refuses (a full disk) is one `error:` line naming the `.bin`, exit 2; the
+    dataset already at the prefix stays byte for byte and no temporary file is left."""
+    d, out = tmp_path / "in", tmp_path / "out"
+    d.mkdir()
+    out.mkdir()
+    (d / "old.jsonl").write_bytes(_lines_of(20))
+    (d / "big.jsonl").write_bytes(_lines_of(20000))
+    r = _script("--input", str(d / "old.jsonl"), "--output-prefix", str(out / "out"), "--append-eod")
+    assert r.returncode == 0, r.stderr
+    before = _snapshot(out)
+    r = _script("--input", str(d / "big.jsonl"), "--output-prefix", str(out / "out"), "--append-eod",
+                "--workers", workers, limit_bytes=64 << 10)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines() == [f"error: {out}/out_text_document.bin: cannot write: File too large"]
+    assert _snapshot(out) == before
+
+
+def test_a_kill_between_the_renames_leaves_no_dataset_that_loads(tmp_path):
+    """Killed after the new `.bin` replaced the old one but before its `.idx` did: the prefix holds no
+    `.idx`, so the reader refuses it by name (rather than reading the new `.bin` through the old `.idx`,
+    which agrees with it in size here); a rerun writes the whole dataset."""
+    d, out = tmp_path / "in", tmp_path / "out"
+    d.mkdir()
+    out.mkdir()
+    texts = ("one two", "three four")  # 2 and 3 tokens: the same total either way round
+    (d / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (d / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[::-1]))
+    prefix = out / "out_text_document"
+    r = _script("--input", str(d / "a.jsonl"), "--output-prefix", str(out / "out"))
+    assert r.returncode == 0, r.stderr
+    kill = (f"import os, runpy, sys; real = os.replace\n"
+            f"def replace(a, b):\n"
+            f"    real(a, b)\n"
+            f"    if b.endswith('.bin'): os._exit(137)\n"
+            f"os.replace = replace\n"
+            f"sys.argv = ['preprocess_data', '--input', {str(d / 'b.jsonl')!r}, '--tokenizer', {TOK!r},\n"
+            f"            '--output-prefix', {str(out / 'out')!r}, '--quiet']\n"
+            f"runpy.run_path({str(HERE / 'preprocess_data.py')!r}, run_name='__main__')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", kill], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 137, r.stderr
+    assert not Path(f"{prefix}.idx").exists()
+    with pytest.raises(DataError, match=r"out_text_document\.idx: no such file"):
+        IndexedDataset(str(prefix))
+    r = _script("--input", str(d / "b.jsonl"), "--output-prefix", str(out / "out"))
+    assert r.returncode == 0, r.stderr
+    tok = Tokenizer.from_file(TOK)
+    ds = IndexedDataset(str(prefix))
+    assert [list(ds[i]) for i in range(len(ds))] == [tok.encode(t, add_special_tokens=False).ids
+                                                     for t in texts[::-1]]
+
+
+def test_train_tokenizer_failed_write_keeps_the_existing_file(tmp_path):
+    """A tokenizer.json the file system refuses to hold whole (a full disk; here RLIMIT_FSIZE) is one
+    `error:` line naming --output, exit 2; the tokenizer already there stays byte for byte and no
+    temporary file is left."""
+    import resource
+    import signal
+
+    inp = tmp_path / "c.jsonl"
+    inp.write_bytes(b"".join((SAMPLE / "austen.jsonl").read_bytes().splitlines(keepends=True)[:300]))
+    out = tmp_path / "t.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, str(HERE / "train_tokenizer.py"), "--input", str(inp), "--output", str(out)]
+    r = subprocess.run(cmd + ["--vocab-size", "300"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    before = out.read_bytes()
+    limit = 2 * len(before)
+
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    r = subprocess.run(cmd + ["--vocab-size", "2000"], capture_output=True, text=True, env=env, timeout=300,
+                       preexec_fn=small_disk)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert re.fullmatch(rf"error: --output {re.escape(str(out))}: cannot write: .*File too large.*\n", r.stderr), \
+        r.stderr
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "t.json"]
+
+
+def test_killing_the_parent_kills_its_workers_quietly(tmp_path):
+    """kill -9 of a run with --workers: its worker processes die with it (none left tokenizing, none printing a
+    BrokenPipe traceback when they next report), the dataset at the prefix is untouched and no `.idx` is made."""
+    import signal
+    import time
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(_lines_of(20) * 4000)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), JAX_PLATFORMS="cpu")
+    p = subprocess.Popen([sys.executable, str(HERE / "preprocess_data.py"), "--tokenizer", TOK, "--quiet", "--input",
+                          str(inp), "--output-prefix", str(tmp_path / "o"), "--workers", "2"],
+                         env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(f.stat().st_size for f in tmp_path.glob("o_text_document.bin.*.tmp")) and time.time() < deadline:
+        time.sleep(0.05)
+    workers = [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True)
+               .stdout.split()]
+    assert p.poll() is None and len(workers) == 2, (p.poll(), workers)
+    p.send_signal(signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    time.sleep(1)
+    assert not [w for w in workers if os.path.exists(f"/proc/{w}") and
+                open(f"/proc/{w}/stat").read().split()[2] != "Z"], workers
+    assert "Traceback" not in err, err
+    assert not list(tmp_path.glob("o_text_document.idx*"))
+
+
+def test_train_tokenizer_output_that_is_no_regular_file_is_written_to_not_replaced(tmp_path):
+    """--output naming a FIFO (or /dev/null): the tokenizer goes into it and it stays what it was, never
+    replaced by a renamed regular file."""
+    import stat
+
+    inp = tmp_path / "c.jsonl"
+    inp.write_text("".join(json.dumps({"text": "the cat sat on the mat " * 5}) + "\n" for _ in range(20)))
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert train_tok.main(["--input", str(inp), "--output", str(fifo), "--vocab-size", "300"]) == 0
+        data = b""
+        while chunk := os.read(fd, 1 << 16):
+            data += chunk
+    finally:
+        os.close(fd)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert Tokenizer.from_str(data.decode()).token_to_id("<eod>") == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "pipe"]

@@ -23,6 +23,7 @@ from ling2.data.errors import DataError
 from ling2.data.jsonl import json_type, lines
 
 SPECIAL = ["<pad>", "<bos>", "<eod>"]
+MAX_VOCAB = 1 << 24  # the trainer sizes tables by vocab_size up front: 2^24 is ~1 GB, far past any real vocabulary
 
 
 class InputError(ValueError):
@@ -61,8 +62,49 @@ def train(inputs: list[str], vocab_size: int = 8192, key: str = "text",
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator((t for p in inputs for t in texts(p, key)), trainer=trainer)
+    chars = [0]
+
+    def counted():
+        for p in inputs:
+            for t in texts(p, key):
+                chars[0] += len(t)
+                yield t
+
+    tok.train_from_iterator(counted(), trainer=trainer)
+    if not chars[0]:
+        raise InputError(f"{', '.join(inputs)}: no text under key {key!r}; a tokenizer trained on nothing has "
+                         "no merges (every byte its own token)")
     return tok
+
+
+def save(tok: Tokenizer, output: str) -> None:
+    """Writes `tok` to a temporary file beside `output`, syncs it and renames it into place, so that a
+    failed or killed write (a full disk) leaves the file that was at `output` as it was, never a cut-short
+    tokenizer.json; InputError naming --output when the write fails."""
+    if os.path.exists(output) and not os.path.isfile(output):  # /dev/null, a FIFO: written to, never replaced
+        try:
+            tok.save(output)
+        except Exception as e:  # the tokenizers library raises a bare Exception for an OS error
+            raise InputError(f"--output {output}: cannot write: {e}") from None
+        return
+    tmp = os.path.join(os.path.dirname(os.path.abspath(output)), f".{os.path.basename(output)}.{os.getpid()}.tmp")
+    try:
+        try:
+            tok.save(tmp)
+        except Exception as e:  # the tokenizers library raises a bare Exception for an OS error
+            raise InputError(f"--output {output}: cannot write: {e}") from None
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, output)
+        except OSError as e:
+            raise InputError(f"--output {output}: cannot write: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def main(argv=None):
@@ -77,19 +119,20 @@ def main(argv=None):
         least = 256 + len(SPECIAL)  # the byte alphabet and the special tokens
         if a.vocab_size < least:
             raise InputError(f"--vocab-size {a.vocab_size}: must be at least {least} (256 bytes + {SPECIAL})")
+        if a.vocab_size > MAX_VOCAB:
+            raise InputError(f"--vocab-size {a.vocab_size}: must be at most {MAX_VOCAB}")
         if a.min_frequency < 1:
             raise InputError(f"--min-frequency {a.min_frequency}: must be at least 1")
         out = os.path.dirname(os.path.abspath(a.output))
         if os.path.isdir(a.output) or not os.path.isdir(out) or not os.access(out, os.W_OK):
             raise InputError(f"--output {a.output}: not a writable file path")
         for path in a.input:
+            if os.path.isfile(path) and os.path.exists(a.output) and os.path.samefile(path, a.output):
+                raise InputError(f"--output {a.output}: is the input {path}; writing it would destroy the corpus")
             if not os.path.isfile(path):
-                raise InputError(f"{path}: no such input file")
+                raise InputError(f"{path}: {'is a directory, not an' if os.path.isdir(path) else 'no such'} input file")
         tok = train(a.input, a.vocab_size, a.json_key, a.min_frequency)
-        try:
-            tok.save(a.output)
-        except Exception as e:  # the tokenizers library raises a bare Exception for an OS error
-            raise InputError(f"--output {a.output}: cannot write: {e}") from None
+        save(tok, a.output)
     except (InputError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

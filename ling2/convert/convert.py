@@ -11,6 +11,8 @@ by orbax).
 """
 
 import json
+import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -22,8 +24,8 @@ from flax import nnx
 from tqdm import tqdm
 
 from ling2.checkpoint.manager import saved_config
-from ling2.checkpoint.safetensors_io import (INDEX_NAME, PlannedWriter, SafetensorsError, ShardedReader, is_float,
-                                             count_beyond, overflow_limit)
+from ling2.checkpoint.safetensors_io import (INDEX_NAME, SINGLE_NAME, PlannedWriter, SafetensorsError, ShardedReader,
+                                             is_float, count_beyond, overflow_limit)
 from ling2.checkpoint.state import (CONFIG_NAME, CheckpointError, STATE_NAME, check_shapes, flat, key, load_state,
                                     model_leaves, read_config, state_writer, unflat)
 from ling2.config import ConfigError
@@ -85,11 +87,32 @@ def _castable(src, dst) -> bool:
     return floating(src) or not floating(dst)
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+
+def _check_counts(reader, cfg) -> None:
+    """ConversionError when the config asks for more decoder layers, or more experts, than the checkpoint's
+    tensor names hold (model.layers.N., mlp.experts.N.): found before the model's tensors are listed, which for
+    a config.json claiming, say, 10^5 layers or 10^9 experts takes minutes and tens of GB."""
+    layers = [int(m.group(1)) for n in reader.names() if (m := _LAYER.match(n))]
+    experts = [int(m.group(1)) for n in reader.names() if (m := _EXPERT.search(n))]
+    have = max(layers) + 1 if layers else 0
+    if cfg.base_num_decoder_layers > have:
+        raise ConversionError(f"{reader.dir}: the config has {cfg.base_num_decoder_layers} decoder layers (config.json "
+                              f"num_hidden_layers), the checkpoint's tensors hold {have} (model.layers.N.*)")
+    if experts and cfg.num_experts > max(experts) + 1:
+        raise ConversionError(f"{reader.dir}: the config has {cfg.num_experts} routed experts per MoE layer "
+                              f"(config.json num_experts / n_routed_experts), the checkpoint's tensors "
+                              f"hold {max(experts) + 1} (mlp.experts.N.*)")
+
+
 def _plan(reader, cfg, layout: str, allow_missing_mtp: bool):
     """(leaves, [(entry, HF name)], skip_mtp) after checking `reader` against the model.
 
     Raises ConversionError listing every missing, unexpected, mis-shaped and wrongly typed tensor.
     """
+    _check_counts(reader, cfg)
     leaves = model_leaves(cfg)
     es = mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()})
     names = set(reader.names())
@@ -123,6 +146,7 @@ def _plan(reader, cfg, layout: str, allow_missing_mtp: bool):
 def mtp_absent(reader, cfg, layout: str) -> bool:
     """True when `cfg` has MTP layers and `reader` holds none of their tensors: what transformers'
     `save_pretrained` writes for a Ling 3 model (its BailingHybridForCausalLM has no MTP modules)."""
+    _check_counts(reader, cfg)
     leaves = model_leaves(cfg)
     es = [e for e in mapping.entries(cfg, layout, {p: v.shape for p, v in leaves.items()}) if e.mtp]
     names = set(reader.names())
@@ -235,6 +259,9 @@ def convert_hf_to_ling2(hf_dir, out_dir, *, scan_layers: bool = False, dtype: st
                         allow_missing_mtp: bool = False, overrides=(), progress: bool = True):
     """HF directory -> Ling2 checkpoint directory; returns the Ling2 config."""
     hf = read_hf_config(hf_dir)
+    if Path(out_dir).resolve() == Path(hf_dir).resolve():
+        raise ConversionError(f"--out {out_dir}: is the HF directory converted (--hf_dir); the Ling2 checkpoint "
+                              "written beside its shards would make it two checkpoints in one; choose another")
     layout = hf_config.detect_layout(hf) if layout == "auto" else layout
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype: unknown {dtype!r} (known: {sorted(DTYPES)})")
@@ -242,17 +269,26 @@ def convert_hf_to_ling2(hf_dir, out_dir, *, scan_layers: bool = False, dtype: st
         hf, layout, {"scan_layers": scan_layers, "weight_dtype": DTYPES[dtype], "dtype": DTYPES[dtype]}, *overrides)
     reader = ShardedReader(hf_dir)
     plan = _plan(reader, cfg, layout, allow_missing_mtp)
-    writer = state_writer(out_dir, cfg, [e.path for e, _ in plan[1]])
-    reader.map_pages = writer.lib is None  # the native writer maps and drops each block's pages itself
-    with writer:  # a tensor found damaged on the way: nothing half-written left to load
-        _hf_to_sink(reader, cfg, layout, writer, allow_missing_mtp, progress, plan)
-        writer.close()
-    code = [Path(hf_dir) / m for m in auto_map_modules(hf) if (Path(hf_dir) / m).is_file()]
-    if code:
-        (Path(out_dir) / HF_CODE).mkdir(exist_ok=True)
-        for f in code:
-            shutil.copyfile(f, Path(out_dir) / HF_CODE / f.name)
+    try:
+        writer = state_writer(out_dir, cfg, [e.path for e, _ in plan[1]])
+        reader.map_pages = writer.lib is None  # the native writer maps and drops each block's pages itself
+        with writer:  # a tensor found damaged on the way: nothing half-written left to load
+            _hf_to_sink(reader, cfg, layout, writer, allow_missing_mtp, progress, plan)
+            writer.close()
+        code = [Path(hf_dir) / m for m in auto_map_modules(hf) if (Path(hf_dir) / m).is_file()]
+        if code:
+            (Path(out_dir) / HF_CODE).mkdir(exist_ok=True)
+            for f in code:
+                shutil.copyfile(f, Path(out_dir) / HF_CODE / f.name)
+    except OSError as e:
+        raise _write_error(out_dir, e) from None
     return cfg
+
+
+def _write_error(out_dir, e: OSError) -> ConversionError:
+    """The error for a write into the output directory that the file system refused (a full disk, a quota)."""
+    return ConversionError(f"{out_dir}: cannot write the converted checkpoint: {e.strerror or e}"
+                           + (f" ({e.filename})" if e.filename else ""))
 
 
 def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "auto", config=None, dtype: str = "",
@@ -267,6 +303,13 @@ def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "auto", config=None,
         raise ConversionError(f"--dtype: unknown {dtype!r} (known: {sorted(DTYPES)})")
     if not Path(ckpt_dir).is_dir():
         raise ConversionError(f"{ckpt_dir}: not a directory")
+    source = (Path(ckpt_dir) / STATE_NAME).resolve()
+    if source in [Path(out_dir).resolve(), *Path(out_dir).resolve().parents]:
+        raise ConversionError(f"--out {out_dir}: is in the checkpoint's own {source}; the HF shards, named as its "
+                              "own, would replace the tensors converted; choose another directory")
+    if (Path(out_dir) / SINGLE_NAME).exists():
+        raise ConversionError(f"--out {out_dir}: holds {SINGLE_NAME}, which loaders (transformers among them) read "
+                              f"in place of the sharded checkpoint written; remove it or choose another directory")
     cfg = read_config(config) if config else saved_config(ckpt_dir)
     if (Path(ckpt_dir) / STATE_NAME / INDEX_NAME).is_file() and (
             config is None or not saved.is_file() or read_config(saved).scan_layers == cfg.scan_layers):
@@ -275,19 +318,69 @@ def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "auto", config=None,
         state = load_state(ckpt_dir, cfg)
     np_dtype = np.dtype(jax.numpy.dtype(DTYPES[dtype])) if dtype else None
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"{out}: exists and is not a directory")
+    stage = out / HF_PARTIAL
     try:
         out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(stage, ignore_errors=True)  # left by a killed conversion
+        stage.mkdir()
     except OSError as e:
         raise ConversionError(f"{out}: cannot create the output directory: {e.strerror}") from None
     layout = hf_config.layout_for(cfg) if layout == "auto" else layout
     hf = hf_config.config_to_hf(cfg, layout, DTYPES[dtype] if dtype else "")
-    writer = PlannedWriter(out, hf_specs(cfg, layout, np_dtype), shard_bytes)
-    if isinstance(state, ShardedReader):
-        state.map_pages = writer.lib is None  # the native writer maps and drops each block's pages itself
-    with writer:  # no half-written shards left to load
-        state_to_hf(state, cfg, layout, writer, progress, np_dtype)
-        index = writer.close()
-    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    for f in sorted((Path(ckpt_dir) / HF_CODE).glob("*.py")):
-        shutil.copyfile(f, out / f.name)
+    try:
+        writer = PlannedWriter(stage, hf_specs(cfg, layout, np_dtype), shard_bytes)
+        if isinstance(state, ShardedReader):
+            state.map_pages = writer.lib is None  # the native writer maps and drops each block's pages itself
+        with writer:  # no half-written shards left to load
+            state_to_hf(state, cfg, layout, writer, progress, np_dtype)
+            index = writer.close()
+        (stage / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        for f in sorted((Path(ckpt_dir) / HF_CODE).glob("*.py")):
+            shutil.copyfile(f, stage / f.name)
+        _publish_hf(stage, out)
+    except OSError as e:
+        raise _write_error(out, e) from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return index
+
+
+HF_PARTIAL = ".ling2_to_hf.partial"  # where ling2_to_hf writes before anything in the output directory changes
+
+
+def _fsync(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish_hf(stage: Path, out: Path) -> None:
+    """Moves a finished HF checkpoint from `stage` into `out`, whose previous checkpoint stays loadable until
+    the first rename. Every file is synced first; the old index goes first (with the shards it names that the
+    new one does not overwrite) and the new index comes last, so a kill or a crash in between leaves shards
+    without an index, which no loader takes for a whole checkpoint, never new shards under the old index or
+    old config.json."""
+    files = sorted(p.name for p in stage.iterdir())
+    for name in files:
+        _fsync(stage / name)
+    old_index = out / INDEX_NAME
+    stale = []
+    if old_index.is_file():
+        try:
+            stale = sorted(set(map(str, json.loads(old_index.read_text())["weight_map"].values())))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            stale = []  # a malformed old index: its shards are not known, only it is replaced
+        old_index.unlink()
+    for name in stale:
+        if name not in files and "/" not in name and name.endswith(".safetensors"):
+            (out / name).unlink(missing_ok=True)
+    for name in files:
+        if name != INDEX_NAME:
+            os.replace(stage / name, out / name)
+    _fsync(out)
+    os.replace(stage / INDEX_NAME, old_index)
+    _fsync(out)

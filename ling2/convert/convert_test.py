@@ -1,6 +1,8 @@
 """HF <-> Ling2 conversion: round trips, config mapping, validation errors, file format."""
 
 import json
+import re
+import shutil
 
 import jax
 import ml_dtypes
@@ -482,3 +484,190 @@ def test_a_failed_conversion_leaves_the_previous_output_as_it_was(tmp_path, tiny
     assert files() == before
     assert run("good", "/proc/ling2_out") == 2
     assert "error: CheckpointError: /proc/ling2_out: cannot create the output directory" in capsys.readouterr().err
+
+
+def _tree(d):
+    """{relative path: bytes} of every file under `d`."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def l2_beyond_fp16(tmp_path_factory, tiny):
+    """A Ling2 state directory that converts in float32 but not in float16 (one weight is 1e6)."""
+    d = tmp_path_factory.mktemp("l2fp16")
+    up = "model.layers.6.mlp.experts.3.up_proj.weight"
+    w = np.random.default_rng(4).standard_normal((64, 128)).astype(np.float32)
+    w[9, 4] = 1e6
+    write_random_hf(d / "hf", tiny, extra={up: w})
+    assert hf_to_ling2.main(["--hf_dir", str(d / "hf"), "--out", str(d / "l2"), "--no_progress"]) == 0
+    return d / "l2"
+
+
+def test_a_failed_ling2_to_hf_leaves_the_previous_output_as_it_was(tmp_path, l2_beyond_fp16, capsys):
+    """Converting into a directory that holds an earlier conversion replaces it only when the new one is whole:
+    a conversion refused half way (a weight float16 cannot hold) exits 2 and leaves every file of the earlier
+    one byte for byte (it still loads), with nothing else in the directory."""
+    out = tmp_path / "hf"
+    run = lambda *a: ling2_to_hf.main(["--ckpt", str(l2_beyond_fp16), "--out", str(out),  # noqa: E731
+                                       "--no_progress", *a])
+    assert run("--shard_gb", "0.01") == 0
+    before = _tree(out)
+    assert len([n for n in before if n.endswith(".safetensors")]) > 1
+    capsys.readouterr()
+    assert run("--dtype", "fp16") == 2
+    assert "holds 1 value not finite in float16" in capsys.readouterr().err
+    assert _tree(out) == before
+    ShardedReader(out)
+
+
+def _killed_ling2_to_hf(ckpt, out, when: str):
+    """ling2_to_hf run as a script and killed (os._exit, as kill -9: no cleanup runs) `when`: 'writing' (half of
+    the tensors written) or 'publishing' (after the first file was moved into the output directory)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, runpy, sys\n"
+            "from ling2.checkpoint import safetensors_io\n"
+            "when = sys.argv.pop()\n"
+            "real_add, real_replace, n = safetensors_io.PlannedWriter.add, os.replace, [0]\n"
+            "def add(self, *a, **k):\n"
+            "    n[0] += 1\n"
+            "    if n[0] == 300 and when == 'writing': os._exit(137)\n"
+            "    return real_add(self, *a, **k)\n"
+            "def replace(a, b):\n"
+            "    real_replace(a, b)\n"
+            "    if when == 'publishing': os._exit(137)\n"
+            "safetensors_io.PlannedWriter.add, os.replace = add, replace\n"
+            "sys.argv[0] = 'ling2_to_hf'\n"
+            "runpy.run_module('ling2.convert.ling2_to_hf', run_name='__main__')\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code, "--ckpt", str(ckpt), "--out", str(out), "--no_progress",
+                        "--dtype", "bf16", when], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 137, r.stderr
+
+
+@pytest.mark.parametrize("when", ["writing", "publishing"])
+def test_a_killed_ling2_to_hf_leaves_the_previous_output_or_none_that_loads(tmp_path, l2_beyond_fp16, when):
+    """ling2_to_hf killed while writing leaves the earlier conversion in its output directory byte for byte;
+    killed while moving the new files in, it leaves no index, which the reader refuses by name (never the new
+    shards under the old index). A rerun then writes the whole new conversion."""
+    from ling2.checkpoint.safetensors_io import SafetensorsError
+
+    out = tmp_path / "hf"
+    assert ling2_to_hf.main(["--ckpt", str(l2_beyond_fp16), "--out", str(out), "--no_progress"]) == 0
+    before = _tree(out)
+    _killed_ling2_to_hf(l2_beyond_fp16, out, when)
+    if when == "writing":
+        assert {n: b for n, b in _tree(out).items() if not n.startswith(".")} == before
+        ShardedReader(out)
+    else:
+        with pytest.raises(SafetensorsError, match="neither model.safetensors.index.json nor model.safetensors"):
+            ShardedReader(out)
+    assert ling2_to_hf.main(["--ckpt", str(l2_beyond_fp16), "--out", str(out), "--no_progress",
+                             "--dtype", "bf16"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model-00001-of-00001.safetensors", INDEX_NAME]
+    reader, src = ShardedReader(out), ShardedReader(l2_beyond_fp16.parent / "hf")
+    assert reader.names() == src.names()
+    for n in src.names():
+        assert np.array_equal(np.asarray(reader.read(n)), np.asarray(src.read(n)).astype(ml_dtypes.bfloat16)), n
+
+
+@pytest.mark.parametrize("direction", ["hf_to_ling2", "ling2_to_hf"])
+def test_a_full_disk_is_named_and_keeps_the_previous_output(tmp_path, l2_beyond_fp16, direction):
+    """A write the file system refuses (a full disk; here RLIMIT_FSIZE) is one `error:` line naming the output
+    directory, exit 2, no traceback; the earlier conversion there stays byte for byte."""
+    import os
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    src = {"hf_to_ling2": ["--hf_dir", str(l2_beyond_fp16.parent / "hf")],
+           "ling2_to_hf": ["--ckpt", str(l2_beyond_fp16)]}[direction]
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", f"ling2.convert.{direction}", *src, "--out", str(out), "--no_progress"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run(argv + ["--dtype", "bf16"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    before = _tree(out)
+    limit = max(len(b) for b in before.values()) + 4096  # the bf16 files fit, the fp32 ones do not
+
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, preexec_fn=small_disk)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == f"error: ConversionError: {out}: cannot write the converted checkpoint: " \
+                                        "File too large", r.stderr
+    # (a hidden .state.partial that PlannedWriter's constructor leaves when sizing a file fails is no checkpoint:
+    # the next write removes it)
+    assert {n: b for n, b in _tree(out).items() if not n.startswith(".")} == before
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e300"])
+def test_shard_gb_that_is_no_positive_finite_size_is_a_usage_error(tmp_path, l2_beyond_fp16, capsys, value):
+    """--shard_gb that is not a positive finite size (inf, or a float whose bytes overflow to inf) exits 2 naming
+    the flag before anything is read or written, never an OverflowError."""
+    with pytest.raises(SystemExit) as e:
+        ling2_to_hf.main(["--ckpt", str(l2_beyond_fp16), "--out", str(tmp_path / "o"), "--shard_gb", value])
+    assert e.value.code == 2
+    assert f"error: --shard_gb must be a positive finite number of GB, got {float(value)}" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("num_hidden_layers", 100000, r"the config has 100000 decoder layers \(config.json num_hidden_layers\), the "
+                                  r"checkpoint's tensors hold 11 \(model.layers.N.\*\)"),
+    ("num_experts", 10**9, r"the config has 1000000000 routed experts per MoE layer .*, the checkpoint's tensors "
+                           r"hold 16 \(mlp.experts.N.\*\)")])
+@pytest.mark.parametrize("cli", ["hf_to_ling2", "generate"])
+def test_a_config_asking_for_far_more_layers_or_experts_than_the_tensors_is_refused_at_once(
+        tmp_path, hf_tiny, capsys, field, value, message, cli):
+    """A config.json claiming more layers or experts than the checkpoint's tensor names hold exits 2 naming both
+    counts, in seconds: before the model's tensors are listed (minutes and tens of GB for 10^9 experts)."""
+    import time
+
+    shutil.copytree(hf_tiny[0], tmp_path / "hf")
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["num_hidden_layers"] == 10 and hf["num_nextn_predict_layers"] == 1 and hf["num_experts"] == 16
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**hf, field: value}))
+    t0 = time.perf_counter()
+    if cli == "hf_to_ling2":
+        assert hf_to_ling2.main(["--hf_dir", str(tmp_path / "hf"), "--out", str(tmp_path / "l2"), "--no_progress"]) == 2
+        err = capsys.readouterr().err
+    else:
+        from ling2.infer.load import InferError, load_model
+        with pytest.raises(InferError) as e:
+            load_model(tmp_path / "hf")
+        err = f"error: {e.value}\n"
+    assert time.perf_counter() - t0 < 60
+    assert re.search(f"{re.escape(str(tmp_path / 'hf'))}: {message}", err) and err.count("\n") == 1, err
+
+
+def test_an_out_that_is_the_source_is_refused_and_the_source_kept(tmp_path, l2_beyond_fp16, capsys):
+    """hf_to_ling2 --out the --hf_dir itself, and ling2_to_hf --out the checkpoint's own state/ (whose shard and
+    index names the HF ones share): exit 2 naming --out, both sources byte for byte as they were."""
+    hf, l2 = tmp_path / "hf", tmp_path / "l2"
+    shutil.copytree(l2_beyond_fp16.parent / "hf", hf)
+    shutil.copytree(l2_beyond_fp16, l2)
+    before = {d: _tree(d) for d in (hf, l2)}
+    assert hf_to_ling2.main(["--hf_dir", str(hf), "--out", str(hf), "--no_progress"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: ConversionError: --out {hf}: is the HF directory converted")
+    for out in (l2 / "state", l2 / "state" / "sub"):
+        assert ling2_to_hf.main(["--ckpt", str(l2), "--out", str(out), "--no_progress"]) == 2
+        assert capsys.readouterr().err.startswith(f"error: ConversionError: --out {out}: is in the checkpoint's own")
+    assert {d: _tree(d) for d in (hf, l2)} == before
+
+
+def test_ling2_to_hf_refuses_an_out_holding_a_single_file_checkpoint(tmp_path, l2_beyond_fp16, capsys):
+    """An --out holding model.safetensors (a single-file HF checkpoint), which transformers loads before any
+    index: the shards written beside it would never be read. Exit 2 naming it; the directory is untouched."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    safetensors.numpy.save_file({"w": np.ones((2, 2), np.float32)}, str(out / "model.safetensors"))
+    before = _tree(out)
+    assert ling2_to_hf.main(["--ckpt", str(l2_beyond_fp16), "--out", str(out), "--no_progress"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: ConversionError: --out {out}: holds model.safetensors, which ")
+    assert _tree(out) == before

@@ -109,7 +109,11 @@ class HFConfigError(ValueError):
 def detect_layout(hf: dict) -> str:
     """The layout of a config.json: by `architectures` where model_type is bailing_hybrid (Ling 2.6 and 3
     share it), else deepseek_v3 or bailing by name."""
-    archs = [str(a) for a in hf.get("architectures") or []]
+    archs = hf.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise HFConfigError(f"config.json: architectures must be a list of class names, got {archs!r}")
+    if not isinstance(hf.get("model_type") or "", str):
+        raise HFConfigError(f"config.json: model_type must be a string, got {hf.get('model_type')!r}")
     if hf.get("model_type") == "bailing_hybrid" or any(a in HYBRID_ARCHITECTURES for a in archs):
         found = {HYBRID_ARCHITECTURES[a] for a in archs if a in HYBRID_ARCHITECTURES}
         if len(found) != 1:
@@ -117,8 +121,21 @@ def detect_layout(hf: dict) -> str:
                                 f"cannot tell Ling 2.6 from Ling 3 (known: {sorted(HYBRID_ARCHITECTURES)}); "
                                 "pass --layout")
         return found.pop()
-    kind = (str(hf.get("model_type", "")) + " ".join(archs)).lower()
+    kind = (str(hf.get("model_type") or "") + " ".join(archs)).lower()
+    if kind.strip() and "deepseek" not in kind and "bailing" not in kind:
+        raise HFConfigError(f"config.json: model_type {hf.get('model_type')!r} with architectures {archs!r} is "
+                            "none of the layouts Ling2 converts (bailing: BailingMoeV2_5, bailing_hybrid: Ling 3, "
+                            "deepseek_v3); read as one, its fields would mean something else; pass --layout to "
+                            "convert it as one anyway")
     return "deepseek_v3" if "deepseek" in kind else "bailing"
+
+
+def _detected_layout(hf: dict):
+    """detect_layout's answer, or None for a config it cannot place (one converted with a forced --layout)."""
+    try:
+        return detect_layout(hf)
+    except HFConfigError:
+        return None
 
 
 def _layout_kind(layout: str) -> str:
@@ -464,7 +481,7 @@ def config_to_hf(cfg, layout: str, torch_dtype: str = "") -> dict:
     out = _generated(cfg, layout)
     dtype = torch_dtype or cfg.weight_dtype
     src = cfg.hf_source_config
-    if not src or detect_layout(src) != layout:
+    if not src or _detected_layout(src) != layout:
         return {**out, "torch_dtype": dtype}
     want = _meaning(out, layout)
     for k, v in src.items():

@@ -203,3 +203,40 @@ def test_bailing_layout_renormalises_exactly_when_top_k_exceeds_one(tiny):
     assert hf_config.config_to_hf(top1, "bailing")["num_experts_per_tok"] == 1
     with pytest.raises(hf_config.HFConfigError, match="renormalises sigmoid weights exactly when top-k > 1"):
         hf_config.config_to_hf(load_config(model_name="ling2-tiny", sigmoid_renormalize=False), "bailing")
+
+
+@pytest.mark.parametrize("model_type,archs", [("llama", ["LlamaForCausalLM"]), ("qwen3_moe", None),
+                                              (None, ["MistralForCausalLM"])])
+def test_a_config_of_another_architecture_is_refused_unless_a_layout_is_forced(tmp_path, capsys, model_type, archs):
+    """config.json naming an architecture none of the layouts is (a Llama, a Qwen): hf_to_ling2 exits 2 naming
+    its model_type and architectures instead of reading its fields as BailingMoeV2_5's; --layout bailing
+    converts it anyway, and ling2_to_hf writes it back."""
+    small = load_config(model_name="ling2-tiny", base_num_decoder_layers=5, mtp_num_layers=0)
+    write_random_hf(tmp_path / "hf", small)
+    src = {k: v for k, v in published_style(small).items() if k not in ("model_type", "architectures", "auto_map")}
+    src.update({k: v for k, v in (("model_type", model_type), ("architectures", archs)) if v is not None})
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(src))
+    run = lambda *a: hf_to_ling2.main(["--hf_dir", str(tmp_path / "hf"), "--out", str(tmp_path / "l2"),  # noqa: E731
+                                       "--no_progress", *a])
+    assert run() == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: HFConfigError: config.json: model_type {model_type!r} with architectures "
+                          f"{archs or []!r} is none of the layouts Ling2 converts") and err.count("\n") == 1, err
+    assert not (tmp_path / "l2").exists()
+    assert run("--layout", "bailing") == 0
+    assert ling2_to_hf.main(["--ckpt", str(tmp_path / "l2"), "--out", str(tmp_path / "hf2"), "--no_progress"]) == 0
+    assert sorted(ShardedReader(tmp_path / "hf2").names()) == sorted(ShardedReader(tmp_path / "hf").names())
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"architectures": "BailingMoeV2_5ForCausalLM"}, "architectures must be a list of class names, got 'Bailing"),
+    ({"architectures": 5}, "architectures must be a list of class names, got 5"),
+    ({"architectures": [None]}, r"architectures must be a list of class names, got \[None\]"),
+    ({"model_type": 5}, "model_type must be a string, got 5"),
+])
+def test_architectures_and_model_type_of_the_wrong_type_are_named(fields, message):
+    """A config.json's architectures that are not a list of strings (a bare string was read letter by letter, a
+    number was a TypeError) or a model_type that is not a string: an HFConfigError naming the field."""
+    with pytest.raises(hf_config.HFConfigError, match=f"^config.json: {message}"):
+        hf_config.detect_layout({"model_type": "bailing_moe_v2_5", "architectures": ["BailingMoeV2_5ForCausalLM"],
+                                 **fields})

@@ -11,6 +11,7 @@ holds its run's) unless --config names another. Bad input is one `error:` line a
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -28,8 +29,8 @@ def main(argv=None) -> int:
     p.add_argument("--shard_gb", type=float, default=2.0, help="maximum shard size in GB")
     p.add_argument("--no_progress", action="store_true")
     a = p.parse_args(argv)
-    if not a.shard_gb > 0:
-        p.error(f"--shard_gb must be positive, got {a.shard_gb}")
+    if not (a.shard_gb > 0 and math.isfinite(a.shard_gb * (1 << 30))):
+        p.error(f"--shard_gb must be a positive finite number of GB, got {a.shard_gb}")
     try:
         index = convert_ling2_to_hf(a.ckpt, a.out, layout=a.layout, config=a.config, dtype=a.dtype,
                                     shard_bytes=int(a.shard_gb * (1 << 30)), progress=not a.no_progress)

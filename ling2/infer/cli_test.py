@@ -252,3 +252,99 @@ def test_max_new_tokens_follows_the_trainers_position_rule():
     check_length([[1, 2]], 1023, cfg("yarn"))
     with pytest.raises(InferError, match=r"exceed 2147483647 \(int32\)"):
         check_length([[1, 2]], 2**31, cfg("yarn"))
+
+
+def test_evaluate_out_a_failed_write_keeps_the_previous_file(tmp_path):
+    """A result the file system refuses to hold whole (a full disk; here RLIMIT_FSIZE) is an InferError
+    naming --out; the file already at --out stays byte for byte and no temporary file is left."""
+    out = tmp_path / "eval.json"
+    out.write_text('{"loss": 1.0}\n')
+    code = ("import resource, signal, sys\n"
+            "from pathlib import Path\n"
+            "from ling2.infer.evaluate import write_out\n"
+            "from ling2.infer.load import InferError\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+            "try:\n"
+            f"    write_out(Path({str(out)!r}), '{{\"loss\": 2.0, \"pad\": \"' + 'x' * 10000 + '\"}}\\n')\n"
+            "except InferError as e:\n"
+            "    print(e)\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout == f"--out={out}: cannot write: File too large\n", (r.stdout, r.stderr)
+    assert out.read_text() == '{"loss": 1.0}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]
+
+
+@pytest.mark.parametrize("module,args", [("generate", ["--prompt_ids=1,2", "--max_new_tokens=2", "--json"]),
+                                         ("evaluate", [f"--data_path={DATA}", "--max_batches=1"])])
+def test_stdout_on_a_full_disk_is_one_error_line(ckpts, module, args):
+    """stdout redirected to a full disk (/dev/full: every write fails with ENOSPC): exit 2 and one `error:` line
+    naming stdout, not a traceback or Python's exit-time message with status 120."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("XLA_FLAGS", None)
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", f"ling2.infer.{module}", f"--ckpt={ckpts}/run", *args], env=env,
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=1800)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines()[-1] == "error: stdout (<stdout>): cannot write: No space left on device", r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_prompts_file_lines_end_only_at_newlines(ckpts, tmp_path):
+    """A text prompt holding a form feed or U+2028 (a line separator to str.splitlines, text to a prompts file) is
+    one prompt; CRLF ends a line as LF does; a later line's error names its number counted by newlines."""
+    from tokenizers import Tokenizer
+
+    text = "It is a truth\u2028universally\x0cacknowledged"
+    f = tmp_path / "prompts.txt"
+    f.write_bytes(f"{text}\r\n{{\"ids\": [5, 6]}}\r\n".encode())
+    r = run("generate", f"--ckpt={ckpts}/run", f"--prompts_file={f}", "--max_new_tokens=3", "--json")
+    assert r.returncode == 0, r.stderr
+    loaded = load_model(ckpts / "run")
+    ids = Tokenizer.from_file(TOKENIZER).encode(text, add_special_tokens=False).ids
+    assert json.loads(r.stdout) == {"ids": generate(loaded.model, [ids, [5, 6]], 3, stop_ids=loaded.stop_ids).ids}
+    f.write_text(f"{text}\n{{\"ids\": [1.5]}}\n")
+    r = run("generate", f"--ckpt={ckpts}/run", f"--prompts_file={f}", "--max_new_tokens=3")
+    assert r.returncode == 2 and r.stderr == f"error: {f}:2: \"ids\" must be integers, got 1.5\n", r.stderr
+
+
+def test_evaluate_a_token_id_outside_the_vocabulary_is_one_error_line(ckpts, tmp_path):
+    """A token id past the model's vocabulary, found as its batch is read: exit 2 and one `error:` line naming the
+    .bin, the sequence, the offset and the id (the data package's message), not a traceback."""
+    from ling2.data import indexed
+
+    vocab = load_config(MICRO).vocab_size
+    rng = np.random.default_rng(0)
+    docs = [[list(rng.integers(0, vocab, 300))] for _ in range(40)]
+    docs[30][0][5] = vocab + 7
+    indexed.write_dataset(str(tmp_path / "oov"), docs, dtype=np.uint16 if vocab + 7 < 65536 else np.int32)
+    r = run("evaluate", f"--ckpt={ckpts}/run", f"--data_path={tmp_path / 'oov'}", "--split=train",
+            "--max_batches=100", "data_split=100,0,0")
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    last = r.stderr.splitlines()[-1]
+    assert last.startswith("error: data (train split, ") and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"oov.bin: token id {vocab + 7} at sequence 30 (document 30), token offset 5" in last, last
+
+
+def test_evaluate_out_that_is_no_regular_file_is_written_to_not_replaced(tmp_path):
+    """--out naming a FIFO (or /dev/null): the text goes into it and it stays what it was; the temporary file
+    and rename that keep a regular file whole would put a regular file in its place. (A subprocess: importing
+    evaluate here would define its flags a second time beside generate's.)"""
+    import stat
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    code = ("from pathlib import Path\n"
+            "from ling2.infer.evaluate import write_out\n"
+            f"write_out(Path({str(fifo)!r}), '{{\"loss\": 1.0}}\\n')\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    try:
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert os.read(fd, 1 << 16) == b'{"loss": 1.0}\n'
+    finally:
+        os.close(fd)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]

@@ -59,14 +59,29 @@ def check_out(out: Path) -> None:
 
 
 def write_out(out: Path, text: str) -> None:
-    """Writes `text` to `out` (its directories made), InferError naming --out when that fails."""
+    """Writes `text` to `out` (its directories made), InferError naming --out when that fails. The text goes
+    to a temporary file beside `out`, synced and renamed into place, so that a full disk or a kill leaves the
+    previous `out` as it was (or none), never a cut-short JSON."""
     from ling2.infer.load import InferError
 
+    if out.exists() and not out.is_file():  # /dev/null, a FIFO: written to, never replaced by a renamed file
+        try:
+            out.write_text(text)
+        except OSError as e:
+            raise InferError(f"--out={out}: cannot write: {e.strerror or e}") from None
+        return
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
     except OSError as e:
         raise InferError(f"--out={out}: cannot write: {e.strerror or e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def main(argv):
@@ -74,7 +89,7 @@ def main(argv):
 
     logging.set_verbosity(logging.ERROR)  # orbax warns of the step's item-level metadata file it does not need
     from ling2.infer.evaluation import evaluate
-    from ling2.infer.load import InferError, find_file, load_model
+    from ling2.infer.load import InferError, find_file, load_model, print_out
 
     try:
         if not FLAGS.ckpt:
@@ -88,14 +103,14 @@ def main(argv):
         res = evaluate(loaded.model, loaded.cfg, FLAGS.data_path, find_file, FLAGS.split, FLAGS.max_batches,
                        log=lambda s: print(s, file=sys.stderr))
         res["ckpt"] = str(loaded.path)
-        print(table(res))
+        print_out(table(res))
         text = json.dumps(res, indent=2)
         if out is not None:
             write_out(out, text + "\n")
+        print_out(f"wrote {out}" if out is not None else text)
     except InferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out}" if out is not None else text)
     return 0
 
 

@@ -17,6 +17,7 @@ from flax import nnx
 
 from ling2.data import gpt_index, pipeline
 from ling2.data.blend import BlendedDataset, parse_data_path
+from ling2.data.errors import DataError
 from ling2.data.gpt_index import SPLITS
 from ling2.infer.load import InferError
 from ling2.layers import losses
@@ -71,7 +72,10 @@ def evaluate(model, cfg, data_path: str, find_file, split: str = "valid", max_ba
     C = len(prefixes)
     ce, tok = np.zeros(C), np.zeros(C)
     for t in range(n):
-        batch = next(it)
+        try:
+            batch = next(it)
+        except (DataError, OSError) as e:  # found as the batch is read: a token id outside the vocabulary, I/O
+            raise InferError(f"data ({split} split, --data_path={data_path!r}), batch {t + 1}: {e}") from e
         rows = which[t * gbs:(t + 1) * gbs]
         for m in range(0, gbs, b):
             mb = {k: np.asarray(v)[m:m + b] for k, v in batch.items()}

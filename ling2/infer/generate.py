@@ -71,8 +71,10 @@ def read_prompts() -> list:
             at = e.start + (len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0)
             n = data.count(b"\n", 0, at) + 1
             raise InferError(f"{path}:{n}: not UTF-8 (byte 0x{data[at]:02x} at offset {at})") from None
-        for n, line in enumerate(text.splitlines(), start=1):
-            line = line.rstrip("\n")
+        # Lines end at "\n" (and "\r\n") only: str.splitlines also ends them at form feeds, U+2028 and other
+        # separators that are text inside a prompt, which would split it in two and misnumber the lines.
+        for n, line in enumerate(text.split("\n"), start=1):
+            line = line.removesuffix("\r")
             if not line.strip():
                 continue
             if line.lstrip().startswith("{"):
@@ -145,7 +147,7 @@ def main(argv):
 
     logging.set_verbosity(logging.ERROR)  # orbax warns of the step's item-level metadata file it does not need
     from ling2.infer.generation import Sampling, check_sampling
-    from ling2.infer.load import InferError, load_model
+    from ling2.infer.load import InferError, load_model, print_out
 
     try:
         if not FLAGS.ckpt:
@@ -167,19 +169,21 @@ def main(argv):
         out = generate(loaded.model, ids, FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k,
                        top_p=FLAGS.top_p, seed=FLAGS.seed, stop_ids=loaded.stop_ids if FLAGS.stop_at_eos else (),
                        speculative=FLAGS.speculative_mtp, packed=FLAGS.packed_prefill)
+        if FLAGS.json:
+            print_out(json.dumps({"ids": out.ids}))
+            print(json.dumps({"stats": out.stats}), file=sys.stderr)
+            return 0
+        lines = []
+        for i, (p, new) in enumerate(zip(ids, out.ids)):
+            if tok is not None:
+                lines.append(f"[{i}] {tok.decode(p)}\033[1m{tok.decode(new)}\033[0m" if sys.stdout.isatty() else
+                             f"[{i}] {tok.decode(p)} >>> {tok.decode(new)}")
+            else:
+                lines.append(f"[{i}] {p} >>> {new}")
+        print_out("\n".join(lines))
     except InferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if FLAGS.json:
-        print(json.dumps({"ids": out.ids}))
-        print(json.dumps({"stats": out.stats}), file=sys.stderr)
-        return 0
-    for i, (p, new) in enumerate(zip(ids, out.ids)):
-        if tok is not None:
-            print(f"[{i}] {tok.decode(p)}\033[1m{tok.decode(new)}\033[0m" if sys.stdout.isatty() else
-                  f"[{i}] {tok.decode(p)} >>> {tok.decode(new)}")
-        else:
-            print(f"[{i}] {p} >>> {new}")
     print(f"stats: {json.dumps(out.stats)}", file=sys.stderr)
     return 0
 

@@ -408,10 +408,12 @@ class Generator:
         check_sampling(sampling, self.vocab)
         if max_new_tokens < 1:
             raise InferError(f"--max_new_tokens={max_new_tokens}: must be >= 1")
+        if not -2**63 <= seed < 2**63:  # what jax.random.PRNGKey takes
+            raise InferError(f"--seed={seed}: must be a 64-bit signed integer")
         if speculative and not self.num_mtp:
             raise InferError("--speculative_mtp: the model has no MTP layers (mtp_num_layers=0)")
         if packed and self.no_packed_prefill:
-            raise InferError(f"--packed: packed prefill is not supported for models with "
+            raise InferError(f"--packed_prefill: packed prefill is not supported for models with "
                              f"{', '.join(k.upper() for k in self.no_packed_prefill)} layers; "
                              "leave it off (each prompt is prefilled in its own row)")
         stop_ids = tuple(sorted({int(i) for i in stop_ids}))

@@ -111,6 +111,9 @@ def test_bad_input_is_named(setup):
         g.generate(ps, 0)
     with pytest.raises(InferError, match="top_p"):
         generate(model, ps, 4, temperature=1.0, top_p=0.0)
+    for seed in (2**63, -2**63 - 1, 2**70):  # PRNGKey takes int64: past it, an OverflowError
+        with pytest.raises(InferError, match=rf"^--seed={seed}: must be a 64-bit signed integer$"):
+            generate(model, ps, 4, temperature=1.0, seed=seed)
     _, no_mtp = micro(mtp_num_layers=0)
     with pytest.raises(InferError, match="no MTP layers"):
         Generator(no_mtp).generate(ps, 4, speculative=True)

@@ -57,6 +57,17 @@ class InferError(ValueError):
     """Bad input to generation or evaluation (checkpoint, prompt, flag); the message names it. CLIs exit 2."""
 
 
+def print_out(text: str) -> None:
+    """Prints `text` to stdout and flushes it; InferError naming stdout when the write fails (a redirect to a
+    full disk), which would otherwise be a traceback, or a message Python prints at exit with status 120."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except OSError as e:
+        name = getattr(sys.stdout, "name", "stdout")
+        raise InferError(f"stdout ({name}): cannot write: {e.strerror or e}") from None
+
+
 class Loaded(NamedTuple):
     cfg: object  # the inference config (INFER_OVERRIDES applied)
     model: Ling2Model
