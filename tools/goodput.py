@@ -57,8 +57,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        print(json.dumps(s, indent=1) if FLAGS.json else table(s))
-        sys.stdout.flush()
+        cli.print_out(json.dumps(s, indent=1) if FLAGS.json else table(s))
     except OSError as e:  # stdout redirected to a full disk
         print(f"error: stdout: cannot write: {e.strerror or e}", file=sys.stderr)
         return 2

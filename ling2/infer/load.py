@@ -27,7 +27,7 @@ from ling2.checkpoint.manager import saved_config, verify
 from ling2.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, SafetensorsError, ShardedReader
 from ling2.checkpoint.state import (CONFIG_NAME, STATE_NAME, CheckpointError, check_shapes, flat, load_state,
                                     model_leaves, read_config, relayout)
-from ling2.config import ConfigError, load_config
+from ling2.config import ConfigError, cli, load_config
 from ling2.config.paths import user_path
 from ling2.convert import convert, hf_config
 from ling2.layers.model import Ling2Model
@@ -58,11 +58,10 @@ class InferError(ValueError):
 
 
 def print_out(text: str) -> None:
-    """Prints `text` to stdout and flushes it; InferError naming stdout when the write fails (a redirect to a
-    full disk), which would otherwise be a traceback, or a message Python prints at exit with status 120."""
+    """Prints `text` to stdout and flushes it (`cli.print_out`); InferError naming stdout when the write fails (a
+    redirect to a full disk), which would otherwise be a traceback."""
     try:
-        print(text)
-        sys.stdout.flush()
+        cli.print_out(text)
     except OSError as e:
         name = getattr(sys.stdout, "name", "stdout")
         raise InferError(f"stdout ({name}): cannot write: {e.strerror or e}") from None
