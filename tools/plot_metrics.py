@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from ling2.config.paths import user_path  # noqa: E402
+from ling2.config.paths import replaced, user_path  # noqa: E402
 from ling2.data.jsonl import json_type  # noqa: E402
 from ling2.train.metrics import read_metrics  # noqa: E402
 
@@ -107,23 +107,12 @@ def main(argv):
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        f = open(tmp, "wb")
-    except OSError as e:
-        print(f"error: --out {out}: cannot write: {e.strerror or e}", file=sys.stderr)
-        return 2
-    try:
-        with f:
+        with replaced(out, "wb") as f:
             plot(rows, f, out.suffix[1:].lower())
-        os.replace(tmp, out)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         print(f"error: --out {out}: cannot write: {e.strerror or e}", file=sys.stderr)
         return 2
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     print(f"wrote {out}")
     return 0
 

@@ -19,6 +19,7 @@ from typing import Iterator
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ling2.config.paths import replaced
 from ling2.data.errors import DataError
 from ling2.data.jsonl import json_type, lines
 
@@ -78,33 +79,14 @@ def train(inputs: list[str], vocab_size: int = 8192, key: str = "text",
 
 
 def save(tok: Tokenizer, output: str) -> None:
-    """Writes `tok` to a temporary file beside `output`, syncs it and renames it into place, so that a
-    failed or killed write (a full disk) leaves the file that was at `output` as it was, never a cut-short
-    tokenizer.json; InputError naming --output when the write fails."""
-    if os.path.exists(output) and not os.path.isfile(output):  # /dev/null, a FIFO: written to, never replaced
-        try:
-            tok.save(output)
-        except Exception as e:  # the tokenizers library raises a bare Exception for an OS error
-            raise InputError(f"--output {output}: cannot write: {e}") from None
-        return
-    tmp = os.path.join(os.path.dirname(os.path.abspath(output)), f".{os.path.basename(output)}.{os.getpid()}.tmp")
+    """Writes `tok` to `output` whole or not at all (`paths.replaced`: a failed or killed write, a full disk,
+    leaves the file that was there, never a cut-short tokenizer.json); InputError naming --output when the
+    write fails."""
     try:
-        try:
-            tok.save(tmp)
-        except Exception as e:  # the tokenizers library raises a bare Exception for an OS error
-            raise InputError(f"--output {output}: cannot write: {e}") from None
-        try:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, output)
-        except OSError as e:
-            raise InputError(f"--output {output}: cannot write: {e.strerror or e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        with replaced(output) as f:
+            f.write(tok.to_str(pretty=True))  # what Tokenizer.save writes
+    except OSError as e:
+        raise InputError(f"--output {output}: cannot write: {e.strerror or e}") from None
 
 
 def main(argv=None):

@@ -12,15 +12,13 @@ when given. Bad input exits 2.
 """
 
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 from absl import app, flags
 
 from ling2.config import cli
-from ling2.config.paths import user_path
+from ling2.config.paths import check_writable, replaced, user_path
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("ckpt", None, "Checkpoint directory: trainer run or step, Ling2 state, or Hugging Face.")
@@ -40,48 +38,26 @@ def table(res: dict) -> str:
 
 
 def check_out(out: Path) -> None:
-    """InferError naming --out when the result could not be written there, found before the evaluation
-    runs: `out` is a directory, or the nearest existing directory above it is not one or takes no file."""
+    """InferError naming --out when the result could not be written there, found before the evaluation runs
+    (`paths.check_writable`)."""
     from ling2.infer.load import InferError
 
-    if out.is_dir():
-        raise InferError(f"--out={out}: is a directory")
-    if out.exists() and not os.access(out, os.W_OK):
-        raise InferError(f"--out={out}: not writable")
-    above = next(p for p in out.parents if p.exists())
-    if not above.is_dir():
-        raise InferError(f"--out={out}: {above} is not a directory")
     try:
-        with tempfile.TemporaryFile(dir=above):
-            pass
-    except OSError as e:
-        raise InferError(f"--out={out}: cannot write in {above}: {e.strerror or e}") from None
+        check_writable(out)
+    except ValueError as e:
+        raise InferError(f"--out={e}") from None
 
 
 def write_out(out: Path, text: str) -> None:
-    """Writes `text` to `out` (its directories made), InferError naming --out when that fails. The text goes
-    to a temporary file beside `out`, synced and renamed into place, so that a full disk or a kill leaves the
-    previous `out` as it was (or none), never a cut-short JSON."""
+    """Writes `text` to `out` whole or not at all (`paths.replaced`: a full disk or a kill leaves the previous
+    `out`, never a cut-short JSON), InferError naming --out when that fails."""
     from ling2.infer.load import InferError
 
-    if out.exists() and not out.is_file():  # /dev/null, a FIFO: written to, never replaced by a renamed file
-        try:
-            out.write_text(text)
-        except OSError as e:
-            raise InferError(f"--out={out}: cannot write: {e.strerror or e}") from None
-        return
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
+        with replaced(out) as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
     except OSError as e:
         raise InferError(f"--out={out}: cannot write: {e.strerror or e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def main(argv):

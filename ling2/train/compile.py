@@ -318,7 +318,7 @@ def main(argv) -> int:
     from ling2 import topology
     from ling2.config import ConfigError, load_config
     from ling2.config.schema import MESH_AXES
-    from ling2.config.paths import find_file, user_path
+    from ling2.config.paths import check_writable, find_file, replaced, user_path
 
     logging.set_verbosity(logging.WARNING)
     if FLAGS.num_slices < 1:
@@ -337,6 +337,13 @@ def main(argv) -> int:
             print(f"error: bad flag: --nosparse_core_collectives: {topo.name} is not a TPU topology", file=sys.stderr)
             return 2
         os.environ["LIBTPU_INIT_ARGS"] = libtpu_init_args(os.environ.get("LIBTPU_INIT_ARGS", ""), False)
+    out = user_path(FLAGS.out) if FLAGS.out else None  # relative to where the user ran bazel, not the runfiles
+    if out is not None:
+        try:
+            check_writable(out)  # before minutes of compiling, not after
+        except ValueError as e:
+            print(f"error: --out: {e}", file=sys.stderr)
+            return 2
     overrides = list(argv[1:])
     try:
         cfg = load_config(*overrides, config_file=find_file(FLAGS.config))
@@ -352,11 +359,10 @@ def main(argv) -> int:
         return 2
     p["sparse_core_collectives"] = FLAGS.sparse_core_collectives
     print(table(p))
-    if FLAGS.out:
-        out = user_path(FLAGS.out)  # relative to where the user ran bazel, not the runfiles tree
+    if out is not None:
         try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(p, indent=1) + "\n")
+            with replaced(out) as f:  # whole or not at all
+                f.write(json.dumps(p, indent=1) + "\n")
         except OSError as e:
             print(f"error: --out: cannot write {out}: {e}", file=sys.stderr)
             return 2

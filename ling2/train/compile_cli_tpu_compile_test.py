@@ -78,6 +78,7 @@ def test_plan_that_does_not_fit(tmp_path):
     (["--topology=v5p-16", "--", *MICRO, "remat_policy=some"], "remat_policy"),
     (["--", *MICRO], "--topology"),
     (["--topology=v5p-16", "--num_slices=0"], "--num_slices"),
+    (["--topology=v5p-16", "--", *MICRO, "per_device_batch_size=100000000"], "past what JAX indexes (int32"),
 ])
 def test_bad_input_is_a_named_error(args, named, capsys):
     """In-process (the binary's `main` after absl's flag parsing): no compile is reached."""
@@ -100,13 +101,16 @@ def test_bad_input_exits_2_from_the_binary(args, named):
 
 def test_out_is_relative_to_the_users_directory_and_unwritable_is_named(tmp_path, monkeypatch, capsys):
     """`bazel run` starts the binary in its runfiles tree: a relative --out is the user's directory's
-    (BUILD_WORKING_DIRECTORY). An --out that cannot be written exits 2 naming the flag."""
+    (BUILD_WORKING_DIRECTORY). An --out that cannot be written exits 2 naming the flag, before the compile (no
+    plan printed); a plan is written whole (no temporary left beside it)."""
     monkeypatch.setenv("BUILD_WORKING_DIRECTORY", str(tmp_path))
     flags.FLAGS.unparse_flags()
     assert compile_lib.main(flags.FLAGS(["compile", "--topology=v5e-4", "--out=plans/p.json", "--", *MICRO])) == 0
     assert json.loads((tmp_path / "plans" / "p.json").read_text())["chips"] == 4
+    assert [p.name for p in (tmp_path / "plans").iterdir()] == ["p.json"]
     (tmp_path / "a_file").write_text("")
+    capsys.readouterr()
     flags.FLAGS.unparse_flags()
     assert compile_lib.main(flags.FLAGS(["compile", "--topology=v5e-4", "--out=a_file/p.json", "--", *MICRO])) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: --out: cannot write") and "a_file" in err, err
+    out, err = capsys.readouterr()
+    assert err.startswith("error: --out: ") and "a_file is not a directory" in err and out == "", (out, err)

@@ -95,6 +95,11 @@ def make_mesh(cfg, devices=None) -> Mesh:
     if rows != int(rows):
         raise ConfigError(f"per_device_batch_size: {cfg.per_device_batch_size:g} x {len(devices)} device(s) = {rows:g} "
                           f"sequences per micro-batch, not a whole number")
+    k = cfg.num_experts_per_tok if cfg.num_experts else 1
+    if rows * cfg.max_target_length * k >= 2**31:
+        raise ConfigError(f"per_device_batch_size: {int(rows):,} sequences x {cfg.max_target_length} tokens x {k} experts "
+                          f"each = {rows * cfg.max_target_length * k:,.0f} rows per micro-batch, past what JAX indexes "
+                          f"(int32, < 2^31); use gradient_accumulation_steps for a larger batch")
     by_slice: dict = {}
     for d in devices:
         by_slice.setdefault(getattr(d, "slice_index", 0) or 0, []).append(d)

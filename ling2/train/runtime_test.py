@@ -130,3 +130,16 @@ def test_rows_per_micro_batch_must_be_whole():
                                          r"micro-batch, not a whole number"):
         runtime.make_mesh(load_config(per_device_batch_size=0.3), devices)
     assert runtime.make_mesh(load_config(per_device_batch_size=0.25), devices).size == 8
+
+
+def test_routed_rows_per_micro_batch_fit_int32():
+    """JAX indexes arrays with int32: a micro-batch whose tokens x top-k reach 2^31 is a named error, not an
+    OverflowError traceback while tracing. ling2-tiny: 256 tokens, top-4, on 8 devices (by hand: 2^31 / (8 x 256
+    x 4) = 262,144 sequences per device is the first refused)."""
+    devices = jax.devices()[:8]
+    cfg = load_config(model_name="ling2-tiny")
+    assert (cfg.max_target_length, cfg.num_experts_per_tok) == (256, 4)
+    assert runtime.make_mesh(load_config(model_name="ling2-tiny", per_device_batch_size=262_143), devices).size == 8
+    with pytest.raises(ValueError, match=r"per_device_batch_size: 2,097,152 sequences x 256 tokens x 4 experts each = "
+                                         r"2,147,483,648 rows per micro-batch, past what JAX indexes"):
+        runtime.make_mesh(load_config(model_name="ling2-tiny", per_device_batch_size=262_144), devices)

@@ -7,7 +7,7 @@ import os
 import platform
 import time
 
-from ling2.config.paths import user_path
+from ling2.config.paths import replaced, user_path
 
 
 def planned_bytes(mem) -> int:
@@ -100,12 +100,10 @@ def results_path(out: str, package: str, name: str) -> str:
 
 
 def write_results(result: dict, out: str, package: str, name: str) -> str:
-    """Writes `result` as JSON to `results_path(out, package, name)` whole or not at all (a temporary file
-    renamed over it, so a bench killed while writing leaves the previous results), says where, returns the path."""
+    """Writes `result` as JSON to `results_path(out, package, name)` whole or not at all (`paths.replaced`: a
+    bench killed while writing leaves the previous results), says where, returns the path."""
     path = results_path(out, package, name)
-    tmp = f"{path}.partial"
-    with open(tmp, "w") as f:
+    with replaced(path) as f:
         json.dump(result, f, indent=1)
-    os.replace(tmp, path)
     print(f"wrote {path}")
     return path

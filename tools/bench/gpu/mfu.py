@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ling2.config.paths import replaced
 from ling2.layers.moe import layer as moe
 from ling2.layers.attention.registry import ATTENTION
 from ling2.layers.plan import LayerSpec
@@ -352,9 +353,8 @@ def run(model: str, full_model: str, batch: int, seq: int, repeats: int, out: st
     def save():
         record["mfu"] = figures(record, peak)
         if out:
-            with open(out + ".tmp", "w") as fh:
+            with replaced(out) as fh:
                 json.dump(record, fh, indent=2, default=str)
-            os.replace(out + ".tmp", out)
 
     def phase(name, fn):
         t0 = time.perf_counter()

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ling2.config.paths import replaced
 from ling2.layers.spec import ModelSpec
 from tools.bench.gpu import mfu
 from tools.bench.report import host_facts, planned_bytes, results_path
@@ -153,9 +154,8 @@ def main(argv=None) -> int:
 
     def save(rows):
         record["rows"] = rows
-        with open(a.out + ".tmp", "w") as fh:
+        with replaced(a.out) as fh:
             json.dump(record, fh, indent=2)
-        os.replace(a.out + ".tmp", a.out)
 
     done = []
     if a.resume and os.path.exists(a.out):
