@@ -20,7 +20,6 @@ stderr naming the file and line, and exit status 2.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import multiprocessing
@@ -34,6 +33,7 @@ import numpy as np
 import tqdm
 from tokenizers import Tokenizer
 
+from ling2.config import cli
 from ling2.data import indexed
 from ling2.data.errors import DataError
 from ling2.data.jsonl import json_type, lines
@@ -316,7 +316,7 @@ def _tokenize(args, builders: dict, prefixes: dict) -> int:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", required=True, help="JSON lines (optionally .gz)")
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--tokenizer", required=True, help="HF tokenizers tokenizer.json")

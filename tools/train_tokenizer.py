@@ -11,7 +11,6 @@ lacks the key) is one `error:` line on stderr naming the file and line, and exit
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -19,6 +18,7 @@ from typing import Iterator
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ling2.config import cli
 from ling2.config.paths import replaced
 from ling2.data.errors import DataError
 from ling2.data.jsonl import json_type, lines
@@ -90,7 +90,7 @@ def save(tok: Tokenizer, output: str) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", nargs="+", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--vocab-size", type=int, default=8192)

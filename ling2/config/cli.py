@@ -1,6 +1,7 @@
 """What every Ling2 command line shares: a bad flag is bad input (`error: bad flag: ...` on stderr, exit 2), where
 absl's own parser exits 1 with a usage dump; a result printed to a stdout that cannot take it is one named error."""
 
+import argparse
 import os
 import sys
 
@@ -13,6 +14,15 @@ def parse_flags(argv):
         return flags.FLAGS(argv)
     except flags.Error as e:
         print(f"error: bad flag: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the commands that use it, with its errors as bad input like every other: one `error:` line
+    naming the flag, exit 2 (argparse's own prints the usage first)."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -10,11 +10,12 @@ Bad input (a missing, malformed or mis-shaped file or field) is one `error:` lin
 import argparse
 import sys
 
+from ling2.config import cli
 from ling2.convert.convert import USER_ERRORS, convert_hf_to_ling2, report
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf_dir", required=True, help="directory with config.json and (sharded) safetensors")
     p.add_argument("--out", required=True, help="Ling2 checkpoint directory to write")
     p.add_argument("--scan_layers", action="store_true", help="write the scanned (stacked) parameter layout")

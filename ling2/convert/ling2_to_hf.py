@@ -15,11 +15,12 @@ import math
 import sys
 from pathlib import Path
 
+from ling2.config import cli
 from ling2.convert.convert import USER_ERRORS, auto_map_modules, convert_ling2_to_hf, report
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="Ling2 checkpoint directory (holds state/)")
     p.add_argument("--out", required=True, help="HF directory to write")
     p.add_argument("--layout", default="auto", choices=("auto", "bailing", "bailing_hybrid", "deepseek_v3"),

@@ -13,13 +13,13 @@ host sees: --gcs_bucket mounts a Cloud Storage bucket at /gcs (GKE's Cloud Stora
 Hosts and chips come from `ling2.topology`; bad input is an `error: ...` line and exit status 2.
 """
 
-import argparse
 import re
 import sys
 
 import yaml
 
 from ling2 import topology
+from ling2.config import cli
 from ling2.config.paths import user_path
 
 # GKE's `cloud.google.com/gke-tpu-accelerator` node label per TPU generation.
@@ -147,7 +147,7 @@ def to_yaml(manifest: dict) -> str:
 
 def main(argv=None) -> int:
     """The CLI: the manifest on stdout (or --out); bad input is `error: ...` on stderr and 2."""
-    p = argparse.ArgumentParser(prog="jobset", description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(prog="jobset", description=__doc__.split("\n")[0])
     p.add_argument("--topology", help="one slice, e.g. v5p-64 (ling2.topology names)")
     p.add_argument("--num_slices", type=int, default=1, help="identical slices joined over DCN")
     p.add_argument("--name", help="JobSet name (a DNS-1035 label)")

@@ -8,12 +8,13 @@ Prints the job id. Bad requests (more hosts than the partition has, a relative r
 is submitted. The job's output goes to <run_dir>/slurm-<job>.out, appended across requeues.
 """
 
-import argparse
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from ling2.config import cli
 
 SCRIPT = Path(__file__).with_name("slurm.sbatch")
 
@@ -65,7 +66,7 @@ def sbatch_command(args, hosts_available: int) -> list:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m tools.launch.slurm", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m tools.launch.slurm", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, required=True, help="Hosts (SLURM nodes).")
     p.add_argument("--run_dir", required=True, help="Run directory on storage every host sees (absolute).")
     p.add_argument("--config", default=None, help="Trainer root config file (the trainer's --config).")
