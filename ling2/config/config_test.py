@@ -182,6 +182,14 @@ def test_a_key_given_twice_in_a_file_is_an_error(tmp_path):
         load_config(config_file=f)
 
 
+@pytest.mark.parametrize("key, shown", [("3", r"3 \(int\)"), ("~", r"None \(NoneType\)"), ("true", r"True \(bool\)")])
+def test_a_key_that_is_not_a_string_names_the_file(tmp_path, key, shown):
+    f = tmp_path / "keys.yml"
+    f.write_text(f"base_config: {BASE_CONFIG}\n{key}: 4\n")
+    with pytest.raises(ConfigError, match=rf"keys\.yml: config key {shown} is not a field name"):
+        load_config(config_file=f)
+
+
 def test_malformed_yaml_names_file(tmp_path):
     f = tmp_path / "bad.yml"
     f.write_text("num_experts: [1, 2\n")
