@@ -126,9 +126,14 @@ def verify(step_dir, items=ITEMS, part: int = 0, parts: int = 1, whole: bool = T
         return f"no {CHECKSUMS} (the save did not finish)"
     try:
         files = json.loads(path.read_text())["files"]
+        if not isinstance(files, dict):
+            raise TypeError(f"'files' is a {type(files).__name__}, not a mapping of file to [size, crc32]")
         files = {str(k): (int(v[0]), int(v[1])) for k, v in files.items()}
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, IndexError) as e:
         return f"{CHECKSUMS} unreadable ({e})"
+    outside = next((f for f in files if Path(f).is_absolute() or ".." in Path(f).parts), None)
+    if outside is not None:
+        return f"{CHECKSUMS} names {outside!r}, outside the step directory"
     for item in items:
         if not (step_dir / item).is_dir():
             return f"item {item!r} missing"
