@@ -30,23 +30,39 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def parse_record(line: str) -> dict:
+    """One metrics.jsonl line as its record: a JSON object with an integer `step`. Raises ValueError saying
+    why a line is not one (a write cut short by a kill or a full disk, or damage)."""
+    rec = json.loads(line)  # JSONDecodeError is a ValueError
+    if not isinstance(rec, dict):
+        raise ValueError(f"a JSON {type(rec).__name__}, not an object")
+    step = rec.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise ValueError(f"'step' is {step!r}, not an integer")
+    return rec
+
+
 def truncate_metrics(path, last_step: int) -> int:
-    """Rewrites a metrics.jsonl without the records of steps after `last_step` (and without lines that
-    are not records: a write cut short by a kill). Returns how many lines were dropped."""
+    """Rewrites a metrics.jsonl to hold only records of steps up to `last_step`, in increasing step order and each
+    ending its line: records of later steps, lines that are not records and records out of order (a step again,
+    or an earlier one) go, and a last line cut before its newline gets one, so the next record starts a line.
+    Returns how many lines were dropped."""
     path = Path(path)
     if not path.is_file():
         return 0
-    keep, dropped = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():  # garbage: not a record
+    text = path.read_text(encoding="utf-8", errors="replace")  # garbage: not a record
+    keep, dropped, last = [], 0, None
+    for line in text.splitlines():
         try:
-            ok = int(json.loads(line)["step"]) <= last_step
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            ok = False
-        if ok:
+            step = parse_record(line)["step"]
+        except ValueError:
+            step = None
+        if step is not None and step <= last_step and (last is None or step > last):
             keep.append(line + "\n")
+            last = step
         elif line.strip():
             dropped += 1
-    if dropped:
+    if dropped or "".join(keep) != text:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(keep))
         os.replace(tmp, path)
@@ -102,11 +118,10 @@ def read_metrics(path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
-            step = int(rec["step"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            rec = parse_record(line)
+        except ValueError as e:
             raise ValueError(f"{path}:{n}: not a metrics record ({e})") from None
-        last[step] = {k: float(v) if v in NON_FINITE else v for k, v in rec.items()}
+        last[rec["step"]] = {k: float(v) if v in NON_FINITE else v for k, v in rec.items()}
     if not last:
         raise ValueError(f"{path}: no metrics")
     return [last[s] for s in sorted(last)]
