@@ -139,6 +139,13 @@ def verify(step_dir, items=ITEMS, part: int = 0, parts: int = 1, whole: bool = T
             return f"item {item!r} missing"
         if not any(f.startswith(item + "/") for f in files):
             return f"item {item!r} not in {CHECKSUMS}"
+    if "meta" in items and step_dir.name.isdigit():  # a step directory renamed, copied or linked to another's name
+        try:
+            saved_step = json.loads((step_dir / "meta" / "metadata").read_text()).get("step")
+        except (OSError, ValueError, AttributeError):
+            saved_step = None  # the checksums below name the damaged file
+        if saved_step is not None and saved_step != int(step_dir.name):
+            return f"meta/metadata says step {saved_step!r}: the directory holds another step's checkpoint"
     if not whole:
         files = {f: v for f, v in files.items() if f.split("/", 1)[0] in items}
     gone = [f for f in files if not (step_dir / f).is_file()]

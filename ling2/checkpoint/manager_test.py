@@ -137,6 +137,10 @@ def test_flipped_bytes_are_refused_and_resume_falls_back(tmp_path):
     (lambda d: (d / "checksums.json").write_text(json.dumps({"files": {**json.loads((d / "checksums.json").read_text())[
         "files"], "../x": [1, 2]}})), r"checksums.json names '../x', outside the step directory"),
     (lambda d: largest_file(d / "state").write_bytes(b"short"), "bytes, .* when saved"),
+    (lambda d: (shutil.rmtree(d), shutil.copytree(d.parent / "2", d)),
+     r"meta/metadata says step 2: the directory holds another step's checkpoint"),
+    (lambda d: (shutil.move(d, d.parent / "4.moved"), d.symlink_to(d.parent / "2")),
+     r"meta/metadata says step 2: the directory holds another step's checkpoint"),
     (lambda d: [shutil.rmtree(p) if p.is_dir() else p.unlink() for p in list(d.iterdir())], "empty directory"),
 ])
 def test_incomplete_latest_step_falls_back_with_the_reason(tmp_path, damage, reason):
