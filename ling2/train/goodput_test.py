@@ -117,3 +117,17 @@ def test_records_out_of_order_or_without_an_integer_step_are_dropped(tmp_path):
     assert goodput.lost_work(path, 1) == (2.0 + 3.0, 2)
     assert truncate_metrics(path, 5) == len(bad)
     assert path.read_text() == "".join(json.dumps(r) + "\n" for r in good)
+
+
+def test_a_metrics_file_that_cannot_be_written_is_one_named_error(tmp_path):
+    """A full disk under metrics.jsonl (/dev/full answers every write with ENOSPC) stops the run with a
+    TrainingError naming the file and the step, not an OSError traceback (the binary: bad_inputs_test)."""
+    from ling2.train.errors import TrainingError
+    from ling2.train.metrics import MetricsWriter
+
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    w = MetricsWriter(tmp_path, tensorboard=False)
+    with pytest.raises(TrainingError, match=rf"{tmp_path}/metrics\.jsonl: writing the record of step 3 failed: disk "
+                                            r"full \(no space left on device\)"):
+        w.write(3, {"loss": 1.0})
+    w.close()

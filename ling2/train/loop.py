@@ -27,16 +27,13 @@ from ling2.layers.model import count_params
 from ling2.layers.spec import ModelSpec
 from ling2.train import hooks
 from ling2.train import step as step_lib
+from ling2.train.errors import TrainingError
 from ling2.train.eval import Evaluator
 from ling2.train.metrics import MetricsWriter
 from ling2.train import goodput as goodput_lib
 from ling2.train.profiler import StepProfiler
 from ling2.train.runtime import batch_sharding, data_share, make_mesh, peak_flops_per_device, to_global
 from ling2.train.state import TrainSetup, TrainState, abstract_state, fields, init_state, load_parameters
-
-
-class TrainingError(RuntimeError):
-    pass
 
 
 @dataclasses.dataclass

@@ -7,6 +7,7 @@ left by the run it continues (`truncate_metrics`), and asks TensorBoard to hide 
 past S (tensorboardX's `purge_step`).
 """
 
+import errno
 import json
 import math
 import os
@@ -14,6 +15,8 @@ import time
 from pathlib import Path
 
 import jax
+
+from ling2.train.errors import TrainingError
 
 
 NON_FINITE = ("nan", "inf", "-inf")
@@ -69,16 +72,27 @@ def truncate_metrics(path, last_step: int) -> int:
     return dropped
 
 
+def write_error(path, what: str, e: OSError) -> TrainingError:
+    """One line for a metrics file that cannot be written (a full disk named as such)."""
+    why = "disk full (no space left on device)" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    return TrainingError(f"{path}: {what} failed: {why}; the run stops here and resumes from its newest "
+                         "checkpoint once the file can be written")
+
+
 class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool = True, start_step: int = 0):
-        """Appends to run_dir/metrics.jsonl (and TensorBoard events) for a run starting at `start_step`."""
+        """Appends to run_dir/metrics.jsonl (and TensorBoard events) for a run starting at `start_step`. The file
+        is unbuffered: a record is written whole by `write` or raises there, and nothing is left to flush later."""
         self.enabled = jax.process_index() == 0
         self.path = Path(run_dir) / "metrics.jsonl"
         self._tb = None
         if self.enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            truncate_metrics(self.path, start_step)
-            self._f = open(self.path, "a")
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                truncate_metrics(self.path, start_step)
+                self._f = open(self.path, "ab", buffering=0)
+            except OSError as e:
+                raise write_error(self.path, "opening the metrics file", e) from None
             if tensorboard:
                 from tensorboardX import SummaryWriter
                 self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
@@ -88,8 +102,12 @@ class MetricsWriter:
             return
         flat = flatten(metrics)
         rec = {"step": int(step), "time": time.time(), **{k: (v if math.isfinite(v) else str(v)) for k, v in flat.items()}}
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
+        data = memoryview((json.dumps(rec) + "\n").encode())
+        try:
+            while data:
+                data = data[self._f.write(data):]
+        except OSError as e:
+            raise write_error(self.path, f"writing the record of step {step}", e) from None
         if self._tb is not None:
             for k, v in flat.items():
                 self._tb.add_scalar(k, v, step)
