@@ -113,6 +113,14 @@ def test_split_ranges_use_round_half_even():
         G.parse_split("a,b")
 
 
+@pytest.mark.parametrize("split, message", [("98,2,x", "not a list of numbers"), ("0,0,0", "the parts sum to 0"),
+                                            ("-1,2,0", "need 1 to 3 non-negative"), ("nan,1,1", "need 1 to 3"),
+                                            ("1,2,3,4", "need 1 to 3"), ("1e308,1e308,0", "the parts sum past the largest float")])
+def test_bad_split_strings_are_named(split, message):
+    with pytest.raises(ValueError, match=rf"data_split '{split}': {message}"):
+        G.parse_split(split)
+
+
 def test_cache_round_trip(tmp_path):
     c = next(c for c in META["gpt_cases"] if c["name"] == "multi_epoch")
     first = _gpt(c, "train", cache_dir=str(tmp_path))
