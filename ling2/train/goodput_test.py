@@ -131,3 +131,17 @@ def test_a_metrics_file_that_cannot_be_written_is_one_named_error(tmp_path):
                                             r"full \(no space left on device\)"):
         w.write(3, {"loss": 1.0})
     w.close()
+
+
+def test_tensorboard_events_on_a_full_disk_are_one_named_error(tmp_path, monkeypatch):
+    """The event file is written on the loop's thread: a full disk is a TrainingError naming the directory, not a
+    traceback from tensorboardX's writer thread or its atexit flush after the run stopped."""
+    from tensorboardX import record_writer
+
+    from ling2.train.errors import TrainingError
+    from ling2.train.metrics import MetricsWriter
+
+    monkeypatch.setattr(record_writer, "open_file", lambda path: open("/dev/full", "wb"))
+    with pytest.raises(TrainingError, match=rf"{tmp_path}/tensorboard: opening the TensorBoard event file failed: disk "
+                                            r"full \(no space left on device\)"):
+        MetricsWriter(tmp_path, tensorboard=True)

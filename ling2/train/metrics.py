@@ -4,7 +4,8 @@ Only process 0 writes. Values are plain floats (non-finite ones as the strings "
 "-inf", which JSON cannot hold); nested dicts are flattened with '/'. `read_metrics` is the
 one reader. A run that starts at step S (resumed, or 0) first drops the records of later steps,
 left by the run it continues (`truncate_metrics`), and asks TensorBoard to hide its events
-past S (tensorboardX's `purge_step`).
+past S (tensorboardX's purge marker). Both files are written on the loop's thread, so a full disk
+is one named error there (`write_error`).
 """
 
 import errno
@@ -79,12 +80,47 @@ def write_error(path, what: str, e: OSError) -> TrainingError:
                          "checkpoint once the file can be written")
 
 
+class _Events:
+    """A TensorBoard event file written on the caller's thread (tensorboardX's own writer runs a thread and an atexit
+    flush, whose errors on a full disk are tracebacks after the run has stopped). A run starting at step S writes
+    tensorboardX's purge marker: a SessionLog START at S + 1 hides the events a cut-short run logged past S."""
+
+    FLUSH_S = 10.0
+
+    def __init__(self, logdir: Path, purge_step: int):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        self._event = Event
+        logdir.mkdir(parents=True, exist_ok=True)
+        self._w = EventsWriter(str(logdir / "events"))
+        self._w.write_event(Event(wall_time=time.time(), step=purge_step, file_version="brain.Event:2"))
+        self._w.write_event(Event(wall_time=time.time(), step=purge_step,
+                                  session_log=SessionLog(status=SessionLog.START)))
+        self._w.flush()
+        self._flushed = time.monotonic()
+
+    def scalars(self, step: int, values: dict) -> None:
+        from tensorboardX.summary import scalar
+
+        t = time.time()
+        for k, v in values.items():
+            self._w.write_event(self._event(wall_time=t, step=step, summary=scalar(k, v)))
+        if time.monotonic() - self._flushed > self.FLUSH_S:
+            self._w.flush()
+            self._flushed = time.monotonic()
+
+    def close(self) -> None:
+        self._w.close()
+
+
 class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool = True, start_step: int = 0):
         """Appends to run_dir/metrics.jsonl (and TensorBoard events) for a run starting at `start_step`. The file
         is unbuffered: a record is written whole by `write` or raises there, and nothing is left to flush later."""
         self.enabled = jax.process_index() == 0
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.tb_dir = Path(run_dir) / "tensorboard"
         self._tb = None
         if self.enabled:
             try:
@@ -94,8 +130,10 @@ class MetricsWriter:
             except OSError as e:
                 raise write_error(self.path, "opening the metrics file", e) from None
             if tensorboard:
-                from tensorboardX import SummaryWriter
-                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
+                try:
+                    self._tb = _Events(self.tb_dir, start_step + 1)
+                except OSError as e:
+                    raise write_error(self.tb_dir, "opening the TensorBoard event file", e) from None
 
     def write(self, step: int, metrics: dict):
         if not self.enabled:
@@ -109,14 +147,19 @@ class MetricsWriter:
         except OSError as e:
             raise write_error(self.path, f"writing the record of step {step}", e) from None
         if self._tb is not None:
-            for k, v in flat.items():
-                self._tb.add_scalar(k, v, step)
+            try:
+                self._tb.scalars(step, flat)
+            except OSError as e:
+                raise write_error(self.tb_dir, f"writing the TensorBoard events of step {step}", e) from None
 
     def close(self):
         if self.enabled:
             self._f.close()
             if self._tb is not None:
-                self._tb.close()
+                try:
+                    self._tb.close()
+                except OSError as e:
+                    raise write_error(self.tb_dir, "closing the TensorBoard event file", e) from None
 
 
 def read_metrics(path) -> list[dict]:
