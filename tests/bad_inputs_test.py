@@ -114,6 +114,7 @@ def _trainer_cases(tmp: Path):
          r"decoder/embed/embedding: checkpoint \(8192, 96\) vs model \(8192, 64\)"),
         ("bad flag value", ["--max_consecutive_skips=abc", *m], run, r"bad flag: .*max_consecutive_skips"),
         ("flag out of range", ["--max_consecutive_skips=0", *m], run, r"--max_consecutive_skips must be >= 1"),
+        ("empty --run_dir", ["--run_dir=", *m], run, r"bad flag: --run_dir is empty"),
         ("exit code past a byte", ["--preempted_exit_code=256", *m], run,
          r"--preempted_exit_code must be in \[0, 255\], got 256"),
         ("process id past the count", ["--coordinator_address=localhost:1", "--num_processes=2", "--process_id=2", *m],

@@ -84,6 +84,9 @@ def parse_flags(argv):
         print(f"error: bad flag: --max_consecutive_skips must be >= 1, got {FLAGS.max_consecutive_skips}",
               file=sys.stderr)
         sys.exit(2)
+    if not FLAGS.run_dir.strip():  # an unset shell variable: the run would fill the working directory
+        print("error: bad flag: --run_dir is empty", file=sys.stderr)
+        sys.exit(2)
     if not 0 <= FLAGS.preempted_exit_code <= 255:  # an exit status is a byte: 256 would read as 0, done
         print(f"error: bad flag: --preempted_exit_code must be in [0, 255], got {FLAGS.preempted_exit_code}",
               file=sys.stderr)
