@@ -182,6 +182,19 @@ def test_a_key_given_twice_in_a_file_is_an_error(tmp_path):
         load_config(config_file=f)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("data_seed=-1", r"data_seed \(from override\): Input should be greater than or equal to 0"),
+    ("data_seed=4294967296", r"data_seed \(from override\): Input should be less than or equal to 4294967295"),
+    ("seed=9223372036854775808", r"seed \(from override\): Input should be less than or equal to 9223372036854775807"),
+])
+def test_seeds_are_in_the_range_their_generators_take(override, message):
+    """numpy's RandomState (Megatron's shuffles) takes [0, 2^32); a JAX key a 64-bit integer: past either, the run
+    used to stop with a ValueError that did not name the field, or an OverflowError traceback."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(override)
+    assert load_config("seed=-1").seed == -1 and load_config("data_seed=4294967295").data_seed == 2**32 - 1
+
+
 @pytest.mark.parametrize("key, shown", [("3", r"3 \(int\)"), ("~", r"None \(NoneType\)"), ("true", r"True \(bool\)")])
 def test_a_key_that_is_not_a_string_names_the_file(tmp_path, key, shown):
     f = tmp_path / "keys.yml"
