@@ -182,6 +182,14 @@ def test_a_key_given_twice_in_a_file_is_an_error(tmp_path):
         load_config(config_file=f)
 
 
+def test_a_wsd_warmup_and_decay_longer_than_the_run_are_named():
+    """The decay would be cut off by the end of the run, its learning rate never reaching final_lr_fraction."""
+    with pytest.raises(ConfigError, match=r"wsd_decay_steps_fraction: 0.5 \+ warmup_steps_fraction=0.8 exceed the run"):
+        load_config("lr_schedule=wsd", "warmup_steps_fraction=0.8", "wsd_decay_steps_fraction=0.5")
+    assert load_config("lr_schedule=wsd", "warmup_steps_fraction=0.5", "wsd_decay_steps_fraction=0.5").lr_schedule == "wsd"
+    load_config("lr_schedule=cosine", "warmup_steps_fraction=0.8", "wsd_decay_steps_fraction=0.5")  # unused there
+
+
 @pytest.mark.parametrize("override, message", [
     ("data_seed=-1", r"data_seed \(from override\): Input should be greater than or equal to 0"),
     ("data_seed=4294967296", r"data_seed \(from override\): Input should be less than or equal to 4294967295"),

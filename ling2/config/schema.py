@@ -343,6 +343,9 @@ class Config(*GROUPS):
              f"unknown kind {self.linear_attention_type!r} (one of {', '.join(linear)})")
         need(self.inhomogeneous_layer_cycle_interval >= 1, "inhomogeneous_layer_cycle_interval",
              f"must be >= 1, got {self.inhomogeneous_layer_cycle_interval}")
+        need(self.lr_schedule != "wsd" or self.warmup_steps_fraction + self.wsd_decay_steps_fraction <= 1 + 1e-9,
+             "wsd_decay_steps_fraction", f"{self.wsd_decay_steps_fraction} + warmup_steps_fraction="
+             f"{self.warmup_steps_fraction} exceed the run (1): the decay would stop short of final_lr_fraction")
         need(self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
              f"{self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
         need(self.num_experts % self.n_routing_groups == 0, "n_routing_groups",
