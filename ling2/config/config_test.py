@@ -194,10 +194,12 @@ def test_a_wsd_warmup_and_decay_longer_than_the_run_are_named():
     ("data_seed=-1", r"data_seed \(from override\): Input should be greater than or equal to 0"),
     ("data_seed=4294967296", r"data_seed \(from override\): Input should be less than or equal to 4294967295"),
     ("seed=9223372036854775808", r"seed \(from override\): Input should be less than or equal to 9223372036854775807"),
+    ("steps=99999999999999999999999", r"steps \(from override\): Input should be less than or equal to 2147483647"),
 ])
-def test_seeds_are_in_the_range_their_generators_take(override, message):
-    """numpy's RandomState (Megatron's shuffles) takes [0, 2^32); a JAX key a 64-bit integer: past either, the run
-    used to stop with a ValueError that did not name the field, or an OverflowError traceback."""
+def test_seeds_and_steps_are_in_the_range_their_consumers_take(override, message):
+    """numpy's RandomState (Megatron's shuffles) takes [0, 2^32); a JAX key a 64-bit integer; the schedule's step
+    count is an int32 on the device: past them, the run used to stop with a ValueError that did not name the field,
+    or an OverflowError traceback (--dry_run, which reads no data)."""
     with pytest.raises(ConfigError, match=message):
         load_config(override)
     assert load_config("seed=-1").seed == -1 and load_config("data_seed=4294967295").data_seed == 2**32 - 1

@@ -240,7 +240,7 @@ class Optimizer(_Group):
 
 
 class Training(_Group):
-    steps: PositiveInt = _f("Optimizer steps to train (the schedule's length).")
+    steps: PositiveInt = _f("Optimizer steps to train (the schedule's length; an int32 on the device).", le=2**31 - 1)
     per_device_batch_size: float = _f("Sequences per device per micro-batch (may be < 1 under model parallelism).", gt=0)
     gradient_accumulation_steps: PositiveInt = _f("Micro-batches per optimizer step.")
     seed: int = _f("Seed of the parameter initialisation (a JAX key: a 64-bit integer).", ge=-2**63, le=2**63 - 1)
