@@ -85,6 +85,9 @@ def _trainer_cases(tmp: Path):
     other = state_dir(tmp / "other_state", load_config(model_name="ling2-micro", base_emb_dim=96))
     no_state = tmp / "no_state"
     no_state.mkdir()
+    full_disk_run = tmp / "full_disk_run"
+    full_disk_run.mkdir()
+    (full_disk_run / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
     run = tmp / "run"
     m = ["--", *e2e.MICRO]
     return [
@@ -101,6 +104,8 @@ def _trainer_cases(tmp: Path):
         ("checkpoints is a file", m, ckpt_file_run, r"run_dir: .*ckpt_file_run/checkpoints exists and is not a dir"),
         ("run_dir unwritable", m, Path("/proc/ling2_run"), r"run_dir: /proc/ling2_run cannot be created"),
         ("unusable checkpoint", m, empty_step_run, r"no usable checkpoint(.|\n)*5: empty directory"),
+        ("metrics on a full disk", [*m, "steps=2"], full_disk_run,
+         r"full_disk_run/metrics\.jsonl: writing the record of step 1 failed: disk full"),
         ("load path missing", [*m, f"load_parameters_path={tmp / 'gone'}"], run,
          rf"load_parameters_path: {tmp}/gone is not a directory"),
         ("load path without state", [*m, f"load_parameters_path={no_state}"], run, r"no_state holds neither"),
@@ -109,6 +114,11 @@ def _trainer_cases(tmp: Path):
          r"decoder/embed/embedding: checkpoint \(8192, 96\) vs model \(8192, 64\)"),
         ("bad flag value", ["--max_consecutive_skips=abc", *m], run, r"bad flag: .*max_consecutive_skips"),
         ("flag out of range", ["--max_consecutive_skips=0", *m], run, r"--max_consecutive_skips must be >= 1"),
+        ("empty --run_dir", ["--run_dir=", *m], run, r"bad flag: --run_dir is empty"),
+        ("exit code past a byte", ["--preempted_exit_code=256", *m], run,
+         r"--preempted_exit_code must be in \[0, 255\], got 256"),
+        ("process id past the count", ["--coordinator_address=localhost:1", "--num_processes=2", "--process_id=2", *m],
+         run, r"bad flag: --num_processes=2 and --process_id=2"),
         ("unknown flag", ["--no_such_flag=1", *m], run, r"bad flag: .*no_such_flag"),
     ]
 

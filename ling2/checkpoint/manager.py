@@ -126,14 +126,26 @@ def verify(step_dir, items=ITEMS, part: int = 0, parts: int = 1, whole: bool = T
         return f"no {CHECKSUMS} (the save did not finish)"
     try:
         files = json.loads(path.read_text())["files"]
+        if not isinstance(files, dict):
+            raise TypeError(f"'files' is a {type(files).__name__}, not a mapping of file to [size, crc32]")
         files = {str(k): (int(v[0]), int(v[1])) for k, v in files.items()}
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, IndexError) as e:
         return f"{CHECKSUMS} unreadable ({e})"
+    outside = next((f for f in files if Path(f).is_absolute() or ".." in Path(f).parts), None)
+    if outside is not None:
+        return f"{CHECKSUMS} names {outside!r}, outside the step directory"
     for item in items:
         if not (step_dir / item).is_dir():
             return f"item {item!r} missing"
         if not any(f.startswith(item + "/") for f in files):
             return f"item {item!r} not in {CHECKSUMS}"
+    if "meta" in items and step_dir.name.isdigit():  # a step directory renamed, copied or linked to another's name
+        try:
+            saved_step = json.loads((step_dir / "meta" / "metadata").read_text()).get("step")
+        except (OSError, ValueError, AttributeError):
+            saved_step = None  # the checksums below name the damaged file
+        if saved_step is not None and saved_step != int(step_dir.name):
+            return f"meta/metadata says step {saved_step!r}: the directory holds another step's checkpoint"
     if not whole:
         files = {f: v for f, v in files.items() if f.split("/", 1)[0] in items}
     gone = [f for f in files if not (step_dir / f).is_file()]

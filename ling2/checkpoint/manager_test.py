@@ -4,6 +4,7 @@ Integrity: a step appears only with its checksums; damaged or unfinished steps a
 config and the resume rules."""
 
 import errno
+import json
 import re
 import shutil
 import subprocess
@@ -131,7 +132,15 @@ def test_flipped_bytes_are_refused_and_resume_falls_back(tmp_path):
     (lambda d: (d / "_CHECKPOINT_METADATA").unlink(), "missing file _CHECKPOINT_METADATA"),
     (lambda d: (d / "checksums.json").unlink(), "no checksums.json"),
     (lambda d: (d / "checksums.json").write_text("{"), "checksums.json unreadable"),
+    (lambda d: (d / "checksums.json").write_text('{"files": null}'), r"checksums.json unreadable \('files' is a NoneType"),
+    (lambda d: (d / "checksums.json").write_text('{"files": [1, 2]}'), r"checksums.json unreadable \('files' is a list"),
+    (lambda d: (d / "checksums.json").write_text(json.dumps({"files": {**json.loads((d / "checksums.json").read_text())[
+        "files"], "../x": [1, 2]}})), r"checksums.json names '../x', outside the step directory"),
     (lambda d: largest_file(d / "state").write_bytes(b"short"), "bytes, .* when saved"),
+    (lambda d: (shutil.rmtree(d), shutil.copytree(d.parent / "2", d)),
+     r"meta/metadata says step 2: the directory holds another step's checkpoint"),
+    (lambda d: (shutil.move(d, d.parent / "4.moved"), d.symlink_to(d.parent / "2")),
+     r"meta/metadata says step 2: the directory holds another step's checkpoint"),
     (lambda d: [shutil.rmtree(p) if p.is_dir() else p.unlink() for p in list(d.iterdir())], "empty directory"),
 ])
 def test_incomplete_latest_step_falls_back_with_the_reason(tmp_path, damage, reason):

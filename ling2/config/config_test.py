@@ -182,6 +182,37 @@ def test_a_key_given_twice_in_a_file_is_an_error(tmp_path):
         load_config(config_file=f)
 
 
+def test_a_wsd_warmup_and_decay_longer_than_the_run_are_named():
+    """The decay would be cut off by the end of the run, its learning rate never reaching final_lr_fraction."""
+    with pytest.raises(ConfigError, match=r"wsd_decay_steps_fraction: 0.5 \+ warmup_steps_fraction=0.8 exceed the run"):
+        load_config("lr_schedule=wsd", "warmup_steps_fraction=0.8", "wsd_decay_steps_fraction=0.5")
+    assert load_config("lr_schedule=wsd", "warmup_steps_fraction=0.5", "wsd_decay_steps_fraction=0.5").lr_schedule == "wsd"
+    load_config("lr_schedule=cosine", "warmup_steps_fraction=0.8", "wsd_decay_steps_fraction=0.5")  # unused there
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data_seed=-1", r"data_seed \(from override\): Input should be greater than or equal to 0"),
+    ("data_seed=4294967296", r"data_seed \(from override\): Input should be less than or equal to 4294967295"),
+    ("seed=9223372036854775808", r"seed \(from override\): Input should be less than or equal to 9223372036854775807"),
+    ("steps=99999999999999999999999", r"steps \(from override\): Input should be less than or equal to 2147483647"),
+])
+def test_seeds_and_steps_are_in_the_range_their_consumers_take(override, message):
+    """numpy's RandomState (Megatron's shuffles) takes [0, 2^32); a JAX key a 64-bit integer; the schedule's step
+    count is an int32 on the device: past them, the run used to stop with a ValueError that did not name the field,
+    or an OverflowError traceback (--dry_run, which reads no data)."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(override)
+    assert load_config("seed=-1").seed == -1 and load_config("data_seed=4294967295").data_seed == 2**32 - 1
+
+
+@pytest.mark.parametrize("key, shown", [("3", r"3 \(int\)"), ("~", r"None \(NoneType\)"), ("true", r"True \(bool\)")])
+def test_a_key_that_is_not_a_string_names_the_file(tmp_path, key, shown):
+    f = tmp_path / "keys.yml"
+    f.write_text(f"base_config: {BASE_CONFIG}\n{key}: 4\n")
+    with pytest.raises(ConfigError, match=rf"keys\.yml: config key {shown} is not a field name"):
+        load_config(config_file=f)
+
+
 def test_malformed_yaml_names_file(tmp_path):
     f = tmp_path / "bad.yml"
     f.write_text("num_experts: [1, 2\n")

@@ -80,6 +80,8 @@ def without_removed(saved: Mapping[str, Any]) -> dict:
 
 def _merge(into: dict, layer: Mapping[str, Any], where: str, sources: dict) -> None:
     for k, v in layer.items():
+        if not isinstance(k, str):  # YAML reads `1:`, `true:`, `~:` as a number, bool or null
+            raise ConfigError(f"{where}: config key {k!r} ({type(k).__name__}) is not a field name")
         if k not in Config.model_fields:
             raise _unknown(k, where)
         into[k] = v

@@ -188,7 +188,8 @@ class Data(_Group):
     dataset_type: str = _f("'mmap' (Megatron .bin/.idx) or 'synthetic'.")
     data_path: str = _f("Megatron-style: a prefix, or 'w1 prefix1 w2 prefix2 ...'.")
     data_split: str = _f("Train/valid/test weights of the sequences, e.g. '969,30,1' (Megatron's --split).")
-    data_seed: int = _f("Seed of the Megatron document and sample shuffles.")
+    data_seed: int = _f("Seed of the Megatron document and sample shuffles (numpy's RandomState: [0, 2^32)).",
+                        ge=0, le=2**32 - 1)
     max_target_length: PositiveInt = _f("Sequence length S.")
     add_extra_token_to_sequence: bool = _f("Samples hold S + 1 tokens so targets are inputs shifted by one (Megatron).")
     blend_per_split: list[str] = _f(
@@ -239,10 +240,10 @@ class Optimizer(_Group):
 
 
 class Training(_Group):
-    steps: PositiveInt = _f("Optimizer steps to train (the schedule's length).")
+    steps: PositiveInt = _f("Optimizer steps to train (the schedule's length; an int32 on the device).", le=2**31 - 1)
     per_device_batch_size: float = _f("Sequences per device per micro-batch (may be < 1 under model parallelism).", gt=0)
     gradient_accumulation_steps: PositiveInt = _f("Micro-batches per optimizer step.")
-    seed: int = _f("Seed of the parameter initialisation.")
+    seed: int = _f("Seed of the parameter initialisation (a JAX key: a 64-bit integer).", ge=-2**63, le=2**63 - 1)
     eval_interval: NonNegativeInt = _f("Evaluate on the valid split every this many steps; 0 never.")
     eval_steps: NonNegativeInt = _f("Validation batches per evaluation.")
     merge_window: NonNegativeInt = _f(
@@ -342,6 +343,9 @@ class Config(*GROUPS):
              f"unknown kind {self.linear_attention_type!r} (one of {', '.join(linear)})")
         need(self.inhomogeneous_layer_cycle_interval >= 1, "inhomogeneous_layer_cycle_interval",
              f"must be >= 1, got {self.inhomogeneous_layer_cycle_interval}")
+        need(self.lr_schedule != "wsd" or self.warmup_steps_fraction + self.wsd_decay_steps_fraction <= 1 + 1e-9,
+             "wsd_decay_steps_fraction", f"{self.wsd_decay_steps_fraction} + warmup_steps_fraction="
+             f"{self.warmup_steps_fraction} exceed the run (1): the decay would stop short of final_lr_fraction")
         need(self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
              f"{self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
         need(self.num_experts % self.n_routing_groups == 0, "n_routing_groups",

@@ -152,6 +152,17 @@ def test_parse_data_path():
         B.parse_data_path("  ")
 
 
+@pytest.mark.parametrize("data_path", ["0.3 /d/a 0.7 /d/a", "0.3 /d/a 0.2 /d/b 0.5 /d/../d/a", "/d/a /d/b /d/a"])
+def test_a_prefix_given_twice_is_named(data_path):
+    with pytest.raises(ValueError, match=r"/d/(\.\./d/)?a is given twice \(prefixes 0 and [12]\); give it once"):
+        B.parse_data_path(data_path)
+
+
+def test_weights_summing_past_the_float_range_are_named():
+    with pytest.raises(ValueError, match="the weights sum past the largest float"):
+        B.parse_data_path("1e308 /a 1e308 /b")
+
+
 def test_missing_dataset_file(tmp_path):
     with pytest.raises(DataError, match=r"nope\.idx: no such file"):
         B.build_splits(f"0.5 {FIX / 'blend_a'} 0.5 {tmp_path / 'nope'}", "1,0,0", 8,

@@ -54,6 +54,8 @@ def parse_split(split: str) -> list[float]:
     if not 1 <= len(vals) <= 3 or any(v < 0 or not math.isfinite(v) for v in vals):
         raise ValueError(f"data_split {split!r}: need 1 to 3 non-negative numbers")
     vals += [0.0] * (3 - len(vals))
+    if not math.isfinite(sum(vals)):
+        raise ValueError(f"data_split {split!r}: the parts sum past the largest float; scale them down")
     total = float(np.sum(np.array(vals, np.float64)))
     if total <= 0:
         raise ValueError(f"data_split {split!r}: the parts sum to 0")

@@ -1,6 +1,7 @@
 """GPT sample index: sample-for-sample parity with fixtures made by Megatron-LM's own code
 (testdata/megatron, see its README), a naive reference, caching and bad input."""
 
+import errno
 import json
 import os
 import re
@@ -113,6 +114,14 @@ def test_split_ranges_use_round_half_even():
         G.parse_split("a,b")
 
 
+@pytest.mark.parametrize("split, message", [("98,2,x", "not a list of numbers"), ("0,0,0", "the parts sum to 0"),
+                                            ("-1,2,0", "need 1 to 3 non-negative"), ("nan,1,1", "need 1 to 3"),
+                                            ("1,2,3,4", "need 1 to 3"), ("1e308,1e308,0", "the parts sum past the largest float")])
+def test_bad_split_strings_are_named(split, message):
+    with pytest.raises(ValueError, match=rf"data_split '{split}': {message}"):
+        G.parse_split(split)
+
+
 def test_cache_round_trip(tmp_path):
     c = next(c for c in META["gpt_cases"] if c["name"] == "multi_epoch")
     first = _gpt(c, "train", cache_dir=str(tmp_path))
@@ -123,6 +132,22 @@ def test_cache_round_trip(tmp_path):
     assert again.source == "cache"
     for k in NAMES:
         np.testing.assert_array_equal(getattr(first, k), getattr(again, k))
+
+
+def test_a_cache_dir_on_a_full_disk_is_named_and_left_clean(tmp_path, monkeypatch):
+    """np.save into a full disk writes part of the file, then ENOSPC: the DataError names the index file, and no
+    temporary file is left behind."""
+    def full_disk_save(path, arr, allow_pickle):
+        with open(path, "wb") as f:
+            f.write(b"\x93NUMPY")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(index_cache.np, "save", full_disk_save)
+    c = next(c for c in META["gpt_cases"] if c["name"] == "multi_epoch")
+    with pytest.raises(DataError, match=rf"{tmp_path}/\w+-GPTDataset-train-document_index\.npy: writing the index "
+                                        r"cache \(blend_cache_dir\) failed: disk full"):
+        _gpt(c, "train", cache_dir=str(tmp_path))
+    assert os.listdir(tmp_path) == []
 
 
 def _truncate(path, keep=0.5):

@@ -12,6 +12,8 @@ descriptions record no checksums: its files are only checked to load whole.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -36,18 +38,32 @@ def npy_path(base: str, name: str) -> str:
 
 
 def save(base: str, arrays: dict, description: str) -> None:
-    """Writes `{base}-{name}.npy` for each of `arrays`, then the description with their sizes and CRC-32s."""
+    """Writes `{base}-{name}.npy` for each of `arrays`, then the description with their sizes and CRC-32s. A write
+    that fails (a full disk) is a DataError naming the file; its temporary file is removed."""
     files = {}
     for name, arr in arrays.items():
         path = npy_path(base, name)
         tmp = f"{path}.tmp{os.getpid()}.npy"
-        np.save(tmp, arr, allow_pickle=False)
-        files[name] = {"bytes": os.path.getsize(tmp), "crc32": crc32(tmp)}
-        os.replace(tmp, path)
+        with _written(tmp, path):
+            np.save(tmp, arr, allow_pickle=False)
+            files[name] = {"bytes": os.path.getsize(tmp), "crc32": crc32(tmp)}
+            os.replace(tmp, path)
     tmp = f"{description_path(base)}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(json.dumps({**json.loads(description), FILES: files}, indent=4))
-    os.replace(tmp, description_path(base))
+    with _written(tmp, description_path(base)):
+        with open(tmp, "w") as f:
+            f.write(json.dumps({**json.loads(description), FILES: files}, indent=4))
+        os.replace(tmp, description_path(base))
+
+
+@contextlib.contextmanager
+def _written(tmp: str, path: str):
+    try:
+        yield
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        why = "disk full (no space left on device)" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        raise DataError(f"{path}: writing the index cache (blend_cache_dir) failed: {why}") from None
 
 
 def _records(desc, names: Sequence[str]) -> Optional[dict]:

@@ -76,7 +76,9 @@ class IndexedDataset:
         ipath, bpath = idx_path(prefix), bin_path(prefix)
         for p in (ipath, bpath):
             if not os.path.isfile(p):
-                raise DataError(f"{p}: no such file (dataset prefix {prefix!r})")
+                what = ("a directory, not a file" if os.path.isdir(p) else
+                        "not a regular file" if os.path.exists(p) else "no such file")
+                raise DataError(f"{p}: {what} (dataset prefix {prefix!r})")
         isize = os.path.getsize(ipath)
         if isize < HEADER_BYTES:
             raise DataFormatError(

@@ -248,6 +248,17 @@ def test_missing_file(good):
         I.IndexedDataset(good)
 
 
+def test_a_directory_or_a_device_where_a_file_belongs_is_named(good):
+    os.remove(good + ".idx")
+    os.mkdir(good + ".idx")
+    with pytest.raises(DataError, match=r"g\.idx: a directory, not a file"):
+        I.IndexedDataset(good)
+    os.rmdir(good + ".idx")
+    os.symlink("/dev/zero", good + ".idx")
+    with pytest.raises(DataError, match=r"g\.idx: not a regular file"):
+        I.IndexedDataset(good)
+
+
 def test_format_errors_are_data_errors():
     assert issubclass(I.DataFormatError, DataError) and issubclass(DataError, ValueError)
 

@@ -16,7 +16,10 @@ data-parallel sampler. Iterators are grain's, so `get_state`/`set_state` resume 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Optional, Sequence
@@ -248,8 +251,20 @@ def make_iterator(dataset, global_batch: int, ops: Sequence, process_index: int 
         from absl import flags
         if not flags.FLAGS.is_parsed():  # grain's workers read absl flags (no absl app here)
             flags.FLAGS.mark_as_parsed()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count),
+                            worker_init_fn=functools.partial(end_with_parent, os.getpid()))
     return iter(ds)
+
+
+def end_with_parent(parent: int, *worker) -> None:
+    """Runs first in each grain worker process: a thread ends the process once its parent has ended, however that
+    ended (kill -9 included). Grain's workers otherwise outlive the trainer, holding its stdout open."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="end_with_parent", daemon=True).start()
 
 
 def split_sample_counts(config, num_devices: int) -> list[int]:

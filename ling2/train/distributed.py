@@ -5,6 +5,8 @@ import os
 
 import jax
 
+from ling2.train.errors import TrainingError
+
 
 def maybe_initialize(coordinator: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None) -> bool:
@@ -18,14 +20,31 @@ def maybe_initialize(coordinator: str | None = None, num_processes: int | None =
     if not coordinator:
         if os.environ.get("LING2_DISTRIBUTED") != "auto":
             return False
-        jax.distributed.initialize(local_device_ids=slurm_local_device_ids(os.environ))
+        try:
+            jax.distributed.initialize(local_device_ids=slurm_local_device_ids(os.environ))
+        except ValueError as e:  # no cluster JAX can read
+            raise TrainingError(f"LING2_DISTRIBUTED=auto: {e}") from None
         return True
-    if num_processes is None:
-        num_processes = int(os.environ.get("LING2_NUM_PROCESSES", "1"))
-    if process_id is None:
-        process_id = int(os.environ.get("LING2_PROCESS_ID", "0"))
+    num_processes = _count("--num_processes", num_processes, "LING2_NUM_PROCESSES", "1")
+    process_id = _count("--process_id", process_id, "LING2_PROCESS_ID", "0")
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise TrainingError(f"--num_processes={num_processes} and --process_id={process_id} (or LING2_NUM_PROCESSES, "
+                            "LING2_PROCESS_ID): need num_processes >= 1 and 0 <= process_id < num_processes")
+    if ":" not in coordinator or not coordinator.rsplit(":", 1)[1].isdigit():
+        raise TrainingError(f"--coordinator_address (or LING2_COORDINATOR) {coordinator!r}: want host:port")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
     return True
+
+
+def _count(flag: str, value: int | None, env: str, default: str) -> int:
+    """A flag's value, else its environment variable's (an integer: else a TrainingError naming it)."""
+    if value is not None:
+        return value
+    raw = os.environ.get(env, default)
+    try:
+        return int(raw)
+    except ValueError:
+        raise TrainingError(f"{env}={raw!r} (for {flag}): not an integer") from None
 
 
 def slurm_local_device_ids(env) -> list | None:

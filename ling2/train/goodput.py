@@ -17,9 +17,11 @@ the total.
 """
 
 import contextlib
-import json
+import math
 import time
 from pathlib import Path
+
+from ling2.train.metrics import parse_record
 
 KINDS = ("compile", "step", "data_wait", "checkpoint", "restore", "eval", "lost")
 
@@ -62,21 +64,21 @@ class Goodput:
 
 def lost_work(path, restored_step: int) -> tuple[float, int]:
     """(seconds, steps) recorded in metrics.jsonl after `restored_step`: the work a resumed run replays.
-    Read before the writer drops those records; lines that are not records (a write cut by a kill) count
-    nothing."""
+    Read before the writer drops those records; lines that are not records (a write cut by a kill) and values
+    that are not finite numbers count nothing."""
     path = Path(path)
     if not path.is_file():
         return 0.0, 0
     seconds, last = 0.0, restored_step
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            rec = json.loads(line)
-            step = int(rec["step"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            rec = parse_record(line)
+        except ValueError:
             continue
-        if step > restored_step:
-            seconds += sum(float(rec.get(f"goodput/{k}_s", 0.0)) for k in KINDS)
-            last = max(last, step)
+        if rec["step"] > restored_step:
+            values = (rec.get(f"goodput/{k}_s") for k in KINDS)
+            seconds += sum(v for v in values if isinstance(v, (int, float)) and math.isfinite(v))
+            last = max(last, rec["step"])
     return seconds, last - restored_step
 
 

@@ -85,3 +85,63 @@ def test_bytes_that_are_not_utf8_are_not_records(tmp_path):
         read_metrics(path)
     assert truncate_metrics(path, 2) == 2
     assert path.read_bytes() == lines[0] + b"\n" + lines[1] + b"\n"
+
+
+def test_a_record_cut_before_its_newline_gets_one(tmp_path):
+    """A kill or a full disk can end the file at a whole record without its newline: the resumed run's first
+    record must start a line of its own, not run on after it."""
+    from ling2.train.metrics import MetricsWriter, truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2)]
+    path.write_text(lines[0] + "\n" + lines[1])
+    assert truncate_metrics(path, 2) == 0
+    assert path.read_text() == lines[0] + "\n" + lines[1] + "\n"
+    w = MetricsWriter(tmp_path, tensorboard=False, start_step=2)
+    w.write(3, {"loss": 0.5})
+    w.close()
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+
+
+def test_records_out_of_order_or_without_an_integer_step_are_dropped(tmp_path):
+    """Damage a trainer never writes (a step again or an earlier one, a step that is not an integer, a record
+    that is not an object, a goodput value that is not a number) is dropped on resume, and lost_work (the
+    seconds by hand: 2 + 3) reads past it without a traceback."""
+    from ling2.train.metrics import truncate_metrics
+
+    good = [{"step": 1, "goodput/step_s": 1.0}, {"step": 2, "goodput/step_s": 2.0}, {"step": 3, "goodput/step_s": 3.0}]
+    bad = ['{"step": 1e400}', '{"step": "2"}', '{"step": true}', "[1, 2]", '{"step": 1, "goodput/step_s": 9.0}',
+           '{"step": 2, "goodput/step_s": [1]}']
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join([json.dumps(good[0]), json.dumps(good[1]), *bad, json.dumps(good[2])]) + "\n")
+    assert goodput.lost_work(path, 1) == (2.0 + 3.0, 2)
+    assert truncate_metrics(path, 5) == len(bad)
+    assert path.read_text() == "".join(json.dumps(r) + "\n" for r in good)
+
+
+def test_a_metrics_file_that_cannot_be_written_is_one_named_error(tmp_path):
+    """A full disk under metrics.jsonl (/dev/full answers every write with ENOSPC) stops the run with a
+    TrainingError naming the file and the step, not an OSError traceback (the binary: bad_inputs_test)."""
+    from ling2.train.errors import TrainingError
+    from ling2.train.metrics import MetricsWriter
+
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    w = MetricsWriter(tmp_path, tensorboard=False)
+    with pytest.raises(TrainingError, match=rf"{tmp_path}/metrics\.jsonl: writing the record of step 3 failed: disk "
+                                            r"full \(no space left on device\)"):
+        w.write(3, {"loss": 1.0})
+    w.close()
+
+
+def test_tensorboard_events_on_a_full_disk_are_one_named_error(tmp_path, monkeypatch):
+    """The event file is written on the loop's thread: a full disk is a TrainingError naming the directory, not a
+    traceback from tensorboardX's writer thread or its atexit flush after the run stopped."""
+    from tensorboardX import record_writer
+
+    from ling2.train.errors import TrainingError
+    from ling2.train.metrics import MetricsWriter
+
+    monkeypatch.setattr(record_writer, "open_file", lambda path: open("/dev/full", "wb"))
+    with pytest.raises(TrainingError, match=rf"{tmp_path}/tensorboard: opening the TensorBoard event file failed: disk "
+                                            r"full \(no space left on device\)"):
+        MetricsWriter(tmp_path, tensorboard=True)

@@ -27,16 +27,13 @@ from ling2.layers.model import count_params
 from ling2.layers.spec import ModelSpec
 from ling2.train import hooks
 from ling2.train import step as step_lib
+from ling2.train.errors import TrainingError
 from ling2.train.eval import Evaluator
 from ling2.train.metrics import MetricsWriter
 from ling2.train import goodput as goodput_lib
 from ling2.train.profiler import StepProfiler
 from ling2.train.runtime import batch_sharding, data_share, make_mesh, peak_flops_per_device, to_global
 from ling2.train.state import TrainSetup, TrainState, abstract_state, fields, init_state, load_parameters
-
-
-class TrainingError(RuntimeError):
-    pass
 
 
 @dataclasses.dataclass
@@ -264,55 +261,58 @@ def run(cfg, run_dir, make_iter: Callable[..., Iterator], *, max_consecutive_ski
         dry_run(cfg, mesh, log)
         return RunResult({}, 0, run_dir, run_dir / "checkpoints", run_dir / "metrics.jsonl", 0, False)
 
-    train_iter, ckpt, resume = _open(cfg, run_dir, mesh, make_iter, log)
-    setup = abstract_state(cfg, mesh)
-    params = count_params(ModelSpec.of(cfg))["total"]
-    log(f"model: {cfg.model_name}, {params / 1e6:.2f}M params, mesh {dict(mesh.shape)}")
-    step_fn = step_lib.jit_train_step(setup.graphdef, setup.tx, cfg, setup.schedule)
-    start, gp = resume or 0, goodput_lib.Goodput()
-    state = _initial_state(cfg, run_dir, mesh, setup, ckpt, resume, train_iter, gp, log)
-    saver = hooks.Save(ckpt, train_iter, {"global_batch": cfg.global_batch_size(mesh.size)}, log)
-    writer = MetricsWriter(run_dir, tensorboard=tensorboard, start_step=start)
-    evaluator = Evaluator(cfg, mesh, setup.graphdef, make_iter) if cfg.eval_interval or cfg.merge_window else None
-    logger = hooks.Log(cfg, writer, gp, log, peak_flops_per_device() * mesh.size, start,
-                       evals=[hooks.Eval(cfg, evaluator), hooks.MergedEval(cfg, evaluator, ckpt)])
-    t_start = time.perf_counter()
-    profiler = StepProfiler(cfg, run_dir, log)
+    # From here a signal is kept for the loop: one while the run starts (data, restore, compile) stops it before
+    # its first step, with a checkpoint of the state it starts from.
+    with _StopRequests(log) as stop:
+        train_iter, ckpt, resume = _open(cfg, run_dir, mesh, make_iter, log)
+        setup = abstract_state(cfg, mesh)
+        params = count_params(ModelSpec.of(cfg))["total"]
+        log(f"model: {cfg.model_name}, {params / 1e6:.2f}M params, mesh {dict(mesh.shape)}")
+        step_fn = step_lib.jit_train_step(setup.graphdef, setup.tx, cfg, setup.schedule)
+        start, gp = resume or 0, goodput_lib.Goodput()
+        state = _initial_state(cfg, run_dir, mesh, setup, ckpt, resume, train_iter, gp, log)
+        saver = hooks.Save(ckpt, train_iter, {"global_batch": cfg.global_batch_size(mesh.size)}, log)
+        writer = MetricsWriter(run_dir, tensorboard=tensorboard, start_step=start)
+        evaluator = Evaluator(cfg, mesh, setup.graphdef, make_iter) if cfg.eval_interval or cfg.merge_window else None
+        logger = hooks.Log(cfg, writer, gp, log, peak_flops_per_device() * mesh.size, start,
+                           evals=[hooks.Eval(cfg, evaluator), hooks.MergedEval(cfg, evaluator, ckpt)])
+        t_start = time.perf_counter()
+        profiler = StepProfiler(cfg, run_dir, log)
 
-    def close():
-        writer.close()
-        if ckpt is not None:
-            ckpt.close()
+        def close():
+            writer.close()
+            if ckpt is not None:
+                ckpt.close()
 
-    nonfinite = _NonFinite(max_consecutive_skips, log, close)
-    with _StopRequests(log) as stop, jax.set_mesh(mesh):
-        step = start
-        while step < cfg.steps and not stop(step, stop_after):
-            with gp.timed("data_wait"):
-                batch = to_global(next(train_iter), cfg, mesh)
-            with gp.timed("compile" if step == start else "step"):
-                with profiler.step(step):
-                    state, metrics = step_fn(state, batch)
-                if step == start:  # tracing and compiling happen in the first call
-                    jax.block_until_ready(metrics)
-            step += 1
-            with gp.timed("step"):
-                saver.poll(step, close)
-                profiler.after(step, state)
-                logging, saving = logger.due(step), saver.due(step)
-                nonfinite.check(step, metrics, now=logging or saving)  # host sync when now
-                record = logger.record(step, state, metrics, batch) if logging else None  # host sync
-            if logging:
-                logger(step, state, record)
-            if saving and nonfinite.skips == 0:  # after logging: saved steps have metrics; never after a skip
-                with gp.timed("checkpoint"):
-                    saver(step, state)
-        nonfinite.flush()
-        profiler.after(step, state, last=True)
-    with gp.timed("checkpoint" if ckpt is not None else None):
-        saver.last(step, state, nonfinite.skips)
-        close()
-    log(f"done: {step} steps in {time.perf_counter() - t_start:.1f}s")
-    log(goodput_lib.summary_line(gp.summary()))
-    return RunResult(logger.losses, step, run_dir, run_dir / "checkpoints", run_dir / "metrics.jsonl",
-                     int(state.skipped_total), stop.stopped)
+        nonfinite = _NonFinite(max_consecutive_skips, log, close)
+        with jax.set_mesh(mesh):
+            step = start
+            while step < cfg.steps and not stop(step, stop_after):
+                with gp.timed("data_wait"):
+                    batch = to_global(next(train_iter), cfg, mesh)
+                with gp.timed("compile" if step == start else "step"):
+                    with profiler.step(step):
+                        state, metrics = step_fn(state, batch)
+                    if step == start:  # tracing and compiling happen in the first call
+                        jax.block_until_ready(metrics)
+                step += 1
+                with gp.timed("step"):
+                    saver.poll(step, close)
+                    profiler.after(step, state)
+                    logging, saving = logger.due(step), saver.due(step)
+                    nonfinite.check(step, metrics, now=logging or saving)  # host sync when now
+                    record = logger.record(step, state, metrics, batch) if logging else None  # host sync
+                if logging:
+                    logger(step, state, record)
+                if saving and nonfinite.skips == 0:  # after logging: saved steps have metrics; never after a skip
+                    with gp.timed("checkpoint"):
+                        saver(step, state)
+            nonfinite.flush()
+            profiler.after(step, state, last=True)
+        with gp.timed("checkpoint" if ckpt is not None else None):
+            saver.last(step, state, nonfinite.skips)
+            close()
+        log(f"done: {step} steps in {time.perf_counter() - t_start:.1f}s")
+        log(goodput_lib.summary_line(gp.summary()))
+        return RunResult(logger.losses, step, run_dir, run_dir / "checkpoints", run_dir / "metrics.jsonl",
+                         int(state.skipped_total), stop.stopped)

@@ -7,7 +7,9 @@ independent reader (`testing/tb_events.py`), hand-written config diffs.
 """
 
 import json
+import os
 import shutil
+import signal
 
 import jax
 import numpy as np
@@ -102,3 +104,23 @@ def test_changed_config_refused_or_warned(template, tmp_path):
     assert "warning: resuming with learning_rate changed: 0.002 -> 0.0001" in logs
     assert "warning: resuming with lr_schedule changed: 'cosine' -> 'constant'" in logs
     assert "warning: resuming with steps changed: 4 -> 6" in logs
+
+
+def test_a_signal_while_the_run_starts_stops_it_before_its_first_step(template, tmp_path):
+    """A signal while the run opens its data, restores or compiles (a preemption of a slow start) is kept for the
+    loop, which stops before its first step with a checkpoint of the state it started from, as a signal later does
+    (it used to end the process: no checkpoint, and a signal status a launcher does not requeue)."""
+    def make(c, split, n, share):
+        os.kill(os.getpid(), signal.SIGINT)
+        return MAKE(c, split, n, share)
+
+    logs = []
+    result = run(cfg(), tmp_path / "fresh", logs, make=make)
+    assert result.stopped_by_signal and result.final_step == 0
+    assert "received SIGINT: saving a checkpoint at step 0 and exiting" in logs
+    assert e2e.saved_steps(tmp_path / "fresh") == [0]
+    d = copy(template, tmp_path / "resumed")  # resumed at its last step 4 of 6: nothing new to save
+    result = run(cfg(steps=6), d, logs, make=make)
+    assert result.stopped_by_signal and result.final_step == 4 and e2e.saved_steps(d) == [2, 4]
+    result = run(cfg(), tmp_path / "fresh", logs)  # and step 0's checkpoint resumes to the uninterrupted losses
+    assert e2e.losses(tmp_path / "fresh") == template[1]

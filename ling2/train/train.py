@@ -37,9 +37,14 @@ def main(argv):
 
     from ling2.config import ConfigError, load_config
     from ling2.train import distributed
+    from ling2.train.errors import TrainingError
 
     logging.set_verbosity(logging.WARNING)  # library INFO chatter (orbax) off; our own lines are printed
-    distributed.maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    try:
+        distributed.maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    except TrainingError as e:
+        print(f"error: bad flag: {e}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(*argv[1:], config_file=find_file(FLAGS.config))
     except ConfigError as e:
@@ -49,7 +54,7 @@ def main(argv):
     from ling2.checkpoint.safetensors_io import SafetensorsError
     from ling2.checkpoint.state import CheckpointError
     from ling2.train.data import DataError, make_iterator_factory
-    from ling2.train.loop import TrainingError, run
+    from ling2.train.loop import run
 
     if cfg.load_parameters_path:
         cfg = cfg.model_copy(update={"load_parameters_path": str(user_path(cfg.load_parameters_path))})
@@ -77,6 +82,13 @@ def parse_flags(argv):
     rest = cli.parse_flags(argv)
     if FLAGS.max_consecutive_skips < 1:
         print(f"error: bad flag: --max_consecutive_skips must be >= 1, got {FLAGS.max_consecutive_skips}",
+              file=sys.stderr)
+        sys.exit(2)
+    if not FLAGS.run_dir.strip():  # an unset shell variable: the run would fill the working directory
+        print("error: bad flag: --run_dir is empty", file=sys.stderr)
+        sys.exit(2)
+    if not 0 <= FLAGS.preempted_exit_code <= 255:  # an exit status is a byte: 256 would read as 0, done
+        print(f"error: bad flag: --preempted_exit_code must be in [0, 255], got {FLAGS.preempted_exit_code}",
               file=sys.stderr)
         sys.exit(2)
     return rest

@@ -71,3 +71,17 @@ def test_preempted_exit_code_tells_a_signal_stop_from_the_end(tmp_path):
     p = start(tmp_path / "done", "steps=2")
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0 and e2e.saved_steps(tmp_path / "done") == [2], out
+
+
+def test_grain_workers_end_with_the_trainer(tmp_path):
+    """With grain_worker_count > 0 the read-ahead runs in processes of the trainer's own; they end with it, whether
+    it finishes or is killed (-9: nothing of it runs), so its stdout reaches its end. Killed, they used to outlive it
+    for good, holding the pipe open: a caller waiting for its output hung."""
+    workers = ["grain_worker_count=1", "eval_interval=2", "eval_steps=1"]
+    p = e2e.start(tmp_path / "done", "steps=3", *workers)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    p = e2e.start(tmp_path / "killed", "steps=100000", *workers)
+    e2e.wait_for(lambda: e2e.logged(tmp_path / "killed") >= 2, p)
+    p.send_signal(signal.SIGKILL)
+    p.communicate(timeout=60)  # EOF: no worker holds the pipe
