@@ -189,3 +189,27 @@ def test_training_logs_the_merged_eval_loss_and_trains_as_without(tmp_path):
     import types
     want = ev.evaluate(types.SimpleNamespace(params=params, rest=rest))
     assert abs(recs[4]["eval/merged_loss"] - want) <= 1e-6 * abs(want)
+
+
+def test_a_merge_onto_a_full_disk_is_one_error_line_and_keeps_the_previous_output(run, tmp_path):
+    """A write the file system refuses (here a file-size limit: EFBIG, as a full disk's ENOSPC) exits 2 with one
+    error line naming --out, the previous merge byte for byte."""
+    import resource
+    import signal
+
+    d, _ = run
+    prev = M.merge(M.step_dirs_of(d, [1, 2]), [0.5, 0.5], tmp_path / "prev", log=lambda s: None)
+    before = _files(prev)
+
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-m", "ling2.checkpoint.merge", f"--run_dir={d}", "--steps=2,3",
+                        "--weights=0.5,0.5", f"--out={prev}"], env=env, capture_output=True, text=True,
+                       preexec_fn=small_disk, timeout=600)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1].startswith(f"error: merge: --out {prev}: cannot write the merged checkpoint: "
+                                                "File too large"), r.stderr
+    assert {n: b for n, b in _files(prev).items() if not str(n).startswith(".")} == before

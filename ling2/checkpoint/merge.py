@@ -205,6 +205,10 @@ def main(argv) -> int:
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a write the file system refuses (a full disk): the old --out is kept (StateWriter)
+        print(f"error: merge: --out {F.out}: cannot write the merged checkpoint: {e.strerror or e}"
+              + (f" ({e.filename})" if e.filename else ""), file=sys.stderr)
+        return 2
     return 0
 
 
