@@ -46,7 +46,6 @@ def parse_data_path(data_path: str, field: str = "data_path") -> tuple[list[str]
 
     nums = [num(t) for t in toks]
     if all(v is None for v in nums):
-        _check_distinct(toks, data_path, field)
         return toks, None
     if len(toks) % 2 or any(v is None for v in nums[0::2]) or any(
             v is not None for v in nums[1::2]):
@@ -59,19 +58,7 @@ def parse_data_path(data_path: str, field: str = "data_path") -> tuple[list[str]
                              f"{prefixes[i]} must be > 0")
     if not math.isfinite(sum(weights)):
         raise ValueError(f"{field} {data_path!r}: the weights sum past the largest float; scale them down")
-    _check_distinct(prefixes, data_path, field)
     return prefixes, weights
-
-
-def _check_distinct(prefixes: Sequence[str], data_path, field: str) -> None:
-    """A dataset named twice would be blended as two datasets with the same samples in the same order: every
-    sample drawn twice in a row."""
-    seen = {}
-    for i, p in enumerate(prefixes):
-        j = seen.setdefault(os.path.realpath(p), i)
-        if j != i:
-            raise ValueError(f"{field} {data_path!r}: {p} is given twice (prefixes {j} and {i}); give it once, "
-                             "with the weights summed")
 
 
 def normalize(weights: Sequence[float]) -> list[float]:

@@ -6,13 +6,12 @@ them with `cp.async` and, at the top of each step, waits only for the oldest (`c
   - the MoE dx kernel (two products, dgate wg^T + dup wu^T): one loop over both, so the pipeline drains once.
 """
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from ling2.kernels.testing.cuda import kernel_ptx, xla_dump
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp
@@ -39,16 +38,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def ptx(tmp_path_factory):
     """{kernel entry name: its PTX} of every Triton kernel the script compiles."""
-    dump = tmp_path_factory.mktemp("xla_dump")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_dump_to={dump}",
-           "PYTHONPATH": os.pathsep.join(sys.path)}
-    subprocess.run([sys.executable, "-c", SCRIPT], env=env, check=True, timeout=900)
-    out = {}
-    for path in dump.glob("*.ptx"):
-        text = path.read_text()
-        for name in re.findall(r"\.entry (\w+)", text):
-            out[name] = text
-    return out
+    return kernel_ptx(xla_dump(SCRIPT, tmp_path_factory.mktemp("xla_dump")))
 
 
 def _loop(text):

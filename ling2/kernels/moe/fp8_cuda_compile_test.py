@@ -4,13 +4,12 @@ each Triton kernel's PTX): forward and backward are the six grouped kernels of t
 operands (one byte per element read), and each kernel's products run on Hopper's wgmma, not Ampere's mma.sync
 (which Triton picks for a float8 dot that Pallas lowers: `ling2.kernels.triton_blocks.dot`)."""
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from ling2.kernels.testing.cuda import kernel_ptx, xla_dump
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp
@@ -29,11 +28,7 @@ TRITON = "__gpu$xla.gpu.triton"
 
 @pytest.fixture(scope="module")
 def dump(tmp_path_factory):
-    out = tmp_path_factory.mktemp("xla_dump")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_dump_to={out}",
-           "PYTHONPATH": os.pathsep.join(sys.path)}
-    subprocess.run([sys.executable, "-c", SCRIPT], env=env, check=True, timeout=900)
-    return out
+    return xla_dump(SCRIPT, tmp_path_factory.mktemp("xla_dump"))
 
 
 def test_six_kernels_take_float8_operands(dump):
@@ -47,11 +42,7 @@ def test_six_kernels_take_float8_operands(dump):
 
 
 def test_every_product_runs_on_wgmma(dump):
-    kernels = {}
-    for path in dump.glob("*.ptx"):
-        text = path.read_text()
-        for name in re.findall(r"\.entry (ling2_\w+)", text):
-            kernels[name] = text
+    kernels = {n: t for n, t in kernel_ptx(dump).items() if n.startswith("ling2_")}
     assert len(kernels) == 6, sorted(kernels)
     for name, text in kernels.items():
         assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16", text), name
