@@ -429,24 +429,32 @@ class PlannedWriter(AbortOnError):
             size += nbytes
         self.where, self.fds, self.files, self.weight_map = {}, [], [], {}
         self.total, self.written = 0, 0
-        for i, group in enumerate(groups):
-            file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            header, offset = {}, 0
-            for name, shape, dtype, nbytes in group:
-                header[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-                offset += nbytes
-            header["__metadata__"] = {"format": "pt"}
-            raw = json.dumps(header, separators=(",", ":")).encode()
-            raw += b" " * (-len(raw) % 8)
-            fd = os.open(self.dir / file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            _pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
-            os.ftruncate(fd, 8 + len(raw) + offset)
-            self.fds.append(fd)
-            self.files.append(self.dir / file)
-            for name, shape, dtype, _ in group:
-                self.where[name] = (fd, shape, dtype, 8 + len(raw) + header[name]["data_offsets"][0])
-                self.weight_map[name] = file
-            self.total += offset
+        try:
+            for i, group in enumerate(groups):
+                file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                header, offset = {}, 0
+                for name, shape, dtype, nbytes in group:
+                    header[name] = {"dtype": CODES[dtype], "shape": list(shape),
+                                    "data_offsets": [offset, offset + nbytes]}
+                    offset += nbytes
+                header["__metadata__"] = {"format": "pt"}
+                raw = json.dumps(header, separators=(",", ":")).encode()
+                raw += b" " * (-len(raw) % 8)
+                fd = os.open(self.dir / file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                self.fds.append(fd)
+                self.files.append(self.dir / file)
+                _pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+                os.ftruncate(fd, 8 + len(raw) + offset)
+                for name, shape, dtype, _ in group:
+                    self.where[name] = (fd, shape, dtype, 8 + len(raw) + header[name]["data_offsets"][0])
+                    self.weight_map[name] = file
+                self.total += offset
+        except BaseException:  # sizing a shard failed (a full disk, a file-size limit): nothing left behind
+            for fd in self.fds:
+                os.close(fd)
+            for f in self.files:
+                f.unlink(missing_ok=True)
+            raise
         threads = self.threads = THREADS if threads is None else threads
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="PlannedWriter") if threads else None
         self.queued, self.queue_max, self.local = collections.deque(), 2 * threads, threading.local()

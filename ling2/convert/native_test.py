@@ -121,3 +121,24 @@ def test_native_writer_drops_mapped_pages_and_views_still_read_right(tmp_path, m
         np.testing.assert_array_equal(got[n], a.T if n != "big" else a)
         np.testing.assert_array_equal(views[n], a)
     np.testing.assert_array_equal(mem, keep)
+
+
+def test_a_shard_that_cannot_be_sized_leaves_no_files(tmp_path, monkeypatch):
+    """PlannedWriter sizes every shard up front; when the file system refuses one (a full disk, a file-size limit),
+    the error goes on and no shard, whole or empty, is left in the directory, nor an open descriptor."""
+    real, calls = os.ftruncate, []
+
+    def refuse_second(fd, size):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(fd, size)
+
+    monkeypatch.setattr(os, "ftruncate", refuse_second)
+    specs = [(f"t{i}", (64,), np.float32) for i in range(3)]
+    with pytest.raises(OSError, match="No space left"):
+        PlannedWriter(tmp_path / "out", specs, shard_bytes=256)
+    assert list((tmp_path / "out").iterdir()) == []
+    for fd in calls:
+        with pytest.raises(OSError):
+            os.fstat(fd)
