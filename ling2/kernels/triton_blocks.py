@@ -27,16 +27,15 @@ def pad_state(x_KV, K: int, V: int):
 def dot(a, b, dt, ta=False, tb=False):
     """a @ b (optionally transposed) on operands cast to dt, fp32 accumulation; exact fp32 when dt is fp32.
     With bf16 inputs an fp32 state enters its matmuls as bf16 (as fla does); it accumulates in fp32.
-    dt None: float8 operands (e4m3, e5m2, mixed) as float16, which holds every value of both exactly: Pallas'
-    Triton lowering takes one dtype and sets no maxNumImpreciseAcc, without which Triton runs a float8 dot on
-    Ampere's mma.sync; as float16 it runs on Hopper's wgmma at the 16-bit rate, from loads of half the bytes
+    A float8 dt (e4m3 or e5m2, operands possibly mixed) means float16, which holds every value of both exactly:
+    Pallas' Triton lowering takes one dtype and sets no maxNumImpreciseAcc, without which Triton runs a float8 dot
+    on Ampere's mma.sync; as float16 it runs on Hopper's wgmma at the 16-bit rate, from loads of half the bytes
     (ling2/kernels/moe/fp8_cuda_compile_test.py)."""
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
     prec = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
-    if dt is None:
+    if dt in (jnp.float8_e4m3fn, jnp.float8_e5m2):
         dt = jnp.float16
-    if dt is not None:
-        a, b = a.astype(dt), b.astype(dt)
+    a, b = a.astype(dt), b.astype(dt)
     return jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
 
 

@@ -11,12 +11,12 @@ is one named error there (`write_error`).
 import errno
 import json
 import math
-import os
 import time
 from pathlib import Path
 
 import jax
 
+from ling2.config.paths import replaced
 from ling2.train.errors import TrainingError
 
 
@@ -67,9 +67,8 @@ def truncate_metrics(path, last_step: int) -> int:
         elif line.strip():
             dropped += 1
     if dropped or "".join(keep) != text:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(keep))
-        os.replace(tmp, path)
+        with replaced(path) as f:
+            f.write("".join(keep))
     return dropped
 
 

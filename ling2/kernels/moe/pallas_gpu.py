@@ -69,11 +69,6 @@ def visits(gs_G, M: int, tm: int):
     return group, tile.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32)
 
 
-def _operands(dtype):
-    """The dtype a kernel's dots cast both operands to: x's, or None for float8 operands (`dot` decides)."""
-    return None if dtype in (fp8.E4M3, fp8.E5M2) else dtype
-
-
 def _scale_arg(scale) -> list:
     """The kernels' optional scale input: [] or one fp32 [1] array."""
     return [] if scale is None else [jnp.reshape(scale, (1,)).astype(jnp.float32)]
@@ -103,7 +98,7 @@ def _gmm_kernel(group_ref, tile_ref, lo_ref, hi_ref, *refs, tm, tp, tq, transpos
             ks = pl.ds(pl.multiple_of(j * tq, tq), tq)
             for x_ref, w_ref in zip(pairs[::2], pairs[1::2]):
                 w = w_ref[gw, cols, ks] if transpose_rhs else w_ref[gw, ks, cols]
-                acc_TP = acc_TP + dot(x_ref[rows, ks], w, _operands(x_ref.dtype), tb=transpose_rhs)
+                acc_TP = acc_TP + dot(x_ref[rows, ks], w, x_ref.dtype, tb=transpose_rhs)
             return acc_TP
 
         acc_TP = jax.lax.fori_loop(0, pairs[0].shape[1] // tq, body, jnp.zeros((tm, tp), jnp.float32))
@@ -161,7 +156,7 @@ def _swiglu_kernel(group_ref, tile_ref, lo_ref, hi_ref, x_ref, wg_ref, wu_ref, *
     rows, cols = pl.ds(r0, tm), pl.ds(pl.multiple_of(p * tp, tp), tp)
     keep_TP = _row_mask(r0, lo, hi, tm, tp)
     gw = jnp.minimum(g, G - 1)
-    dt = _operands(x_ref.dtype)
+    dt = x_ref.dtype
 
     @pl.when((hi > lo) & (g < G))
     def _():
@@ -206,7 +201,7 @@ def _tgmm_kernel(lo_ref, hi_ref, x_ref, *refs, tm, tq, tp, n, scaled):
     p, q, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     lo, hi = lo_ref[g], hi_ref[g]
     qs, ps = pl.ds(pl.multiple_of(q * tq, tq), tq), pl.ds(pl.multiple_of(p * tp, tp), tp)
-    dt = _operands(x_ref.dtype)
+    dt = x_ref.dtype
 
     def body(t, accs):
         r0 = pl.multiple_of(t * tm, tm)
