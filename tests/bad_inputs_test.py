@@ -70,6 +70,25 @@ def overlap_two(directory: Path) -> None:
     raise AssertionError("no two tensors of one size in a shard")
 
 
+def rewrite_shard(directory: Path, edit) -> None:
+    """Rewrites the first shard as edit(header, data) -> (header, data) returns it."""
+    f = sorted(directory.glob("*.safetensors"))[0]
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data = edit(json.loads(raw[8:8 + n]), raw[8 + n:])
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    f.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def gap_before_last(header: dict, data: bytes):
+    """8 bytes no tensor owns, before the last tensor's bytes (its offsets moved past them)."""
+    name = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    b, e = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [b + 8, e + 8]
+    return header, data[:b] + bytes(8) + data[b:]
+
+
 def _trainer_cases(tmp: Path):
     """(name, args, run_dir, message regex) of bad trainer inputs; files are made here."""
     loop_a = write(tmp / "cfg" / "a.yml", "base_config: b.yml\nsteps: 3\n")
@@ -196,6 +215,13 @@ def _hf_cases(tmp: Path):
          rf"mis-shaped: {re.escape(first_layer)} checkpoint \(3, 64\)"),
         ("truncated shard", files(truncate_largest), r"\.safetensors: tensor .* is cut short"),
         ("overlapping tensors", files(overlap_two), r"\.safetensors: tensors \S+ and \S+ overlap: bytes \[\d+, \d+\)"),
+        ("a gap in the data", files(lambda d: rewrite_shard(d, gap_before_last)),
+         r"\.safetensors: bytes \[\d+, \d+\) of the data belong to no tensor"),
+        ("bytes after the data", files(lambda d: rewrite_shard(d, lambda h, data: (h, data + bytes(64)))),
+         r"\.safetensors: 64 bytes after the last tensor's end"),
+        ("__metadata__ not a map",
+         files(lambda d: rewrite_shard(d, lambda h, data: ({**h, "__metadata__": [1]}, data))),
+         r"\.safetensors: malformed safetensors header: __metadata__ must map strings to strings"),
         ("malformed header", files(lambda d: sorted(d.glob("*.safetensors"))[0].write_bytes(b"\x10" + b"\0" * 7 + b"{x")),
          r"malformed safetensors header"),
         ("index names a missing shard", files(lambda d: sorted(d.glob("*.safetensors"))[0].unlink()),

@@ -99,13 +99,33 @@ def read_header(path: Path) -> tuple[dict, int]:
         if n > os.fstat(f.fileno()).st_size - 8:
             raise SafetensorsError(f"{path}: malformed safetensors header: {n} header bytes in a shorter file")
         try:
-            header = json.loads(f.read(n))
+            header = json.loads(f.read(n), object_pairs_hook=_unique_keys)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise SafetensorsError(f"{path}: malformed safetensors header: {e}") from None
+        except _DuplicateKey as e:
+            raise SafetensorsError(f"{path}: malformed safetensors header: {e} appears twice") from None
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: malformed safetensors header: not a JSON object")
-    header.pop("__metadata__", None)
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise SafetensorsError(f"{path}: malformed safetensors header: __metadata__ must map strings to strings, "
+                               f"got {json.dumps(meta)[:80]}")
     return header, 8 + n
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs):
+    """json object hook: the object, refusing a key given twice (json keeps the last silently: a header naming a
+    tensor twice has two places for its bytes)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(f"key {k!r}")
+        out[k] = v
+    return out
 
 
 class ShardedReader:
@@ -154,6 +174,15 @@ class ShardedReader:
                 if b1 < e0:  # two tensors reading the same bytes: one of them holds the other's values
                     raise SafetensorsError(f"{path}: tensors {n0} and {n1} overlap: bytes [{b1 - start}, "
                                            f"{min(e0, e1) - start}) of the data belong to both")
+            at = start  # the format's data section is the tensors' bytes end to end, with no hole and no tail
+            for b, e, n in spans:
+                if b > at:
+                    raise SafetensorsError(f"{path}: bytes [{at - start}, {b - start}) of the data belong to no "
+                                           f"tensor (the next is {n}); a safetensors file has no gaps")
+                at = e
+            if at != size:
+                raise SafetensorsError(f"{path}: {size - at} bytes after the last tensor's end (data byte "
+                                       f"{at - start}) belong to no tensor; a safetensors file ends with its data")
         if weight_map is not None:
             for name, file in weight_map.items():
                 if name not in self.entries or self.entries[name][0].name != file:

@@ -26,6 +26,7 @@ from flax import nnx
 
 from ling2.checkpoint.safetensors_io import INDEX_NAME, AbortOnError, PlannedWriter, SafetensorsError, ShardedReader
 from ling2.config import ConfigError, load_config, to_yaml
+from ling2.config.paths import replaced
 from ling2.config.loader import load_yaml, without_removed
 from ling2.layers.model import abstract_model
 from ling2.layers.spec import ModelSpec
@@ -126,12 +127,37 @@ def _not_a_state_dir(out: Path) -> str | None:
     return None
 
 
+PARTIAL, OLD, COMMIT = ".state.partial", ".state.old", ".config.yml.partial"  # StateWriter's hidden siblings
+
+
+def finish_interrupted_save(out_dir) -> None:
+    """Completes a StateWriter.close() that was killed while it swapped the new state/ and config.yml in: once
+    COMMIT (the new config.yml) exists the new tensors are whole, so the swap is carried forward (old state/
+    aside, the new one in, config.yml replaced, the old removed). Without COMMIT nothing is done: a reader
+    never sees the new state/ beside the old config.yml, or none at all. Every step is a rename, so a kill
+    here too leaves a directory the next call finishes. CheckpointError when the file system refuses."""
+    out = Path(out_dir)
+    commit, partial, state, old = out / COMMIT, out / PARTIAL, out / STATE_NAME, out / OLD
+    if not commit.is_file():
+        shutil.rmtree(old, ignore_errors=True)  # a finished swap's leftover
+        return
+    try:
+        if partial.is_dir():
+            if state.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                state.rename(old)
+            partial.rename(state)
+        commit.replace(out / CONFIG_NAME)
+    except OSError as e:
+        raise CheckpointError(f"{out}: a save into it was interrupted while its new state/ and {CONFIG_NAME} were "
+                              f"put in place, and cannot be finished here: {e.strerror or e}") from None
+    shutil.rmtree(old, ignore_errors=True)
+
+
 class StateWriter(AbortOnError):
     """Writes a state directory (see the module doc): the tensors go to a hidden sibling of `state/`, which
     replaces `state/` (and config.yml) only at `close()`, so a failed, interrupted or killed write leaves the
     directory as it was. Refuses a directory holding anything else (a trainer step) before writing a byte."""
-
-    PARTIAL, OLD = ".state.partial", ".state.old"
 
     def __init__(self, out_dir, cfg, order=()):
         leaves = model_leaves(cfg)
@@ -144,9 +170,10 @@ class StateWriter(AbortOnError):
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointError(f"{self.out}: cannot create the output directory: {e.strerror}") from None
-        shutil.rmtree(self.out / self.PARTIAL, ignore_errors=True)  # left by a killed write
+        finish_interrupted_save(self.out)
+        shutil.rmtree(self.out / PARTIAL, ignore_errors=True)  # a killed write's unfinished tensors
         paths = list(dict.fromkeys(list(order) + list(leaves)))
-        self.writer = PlannedWriter(self.out / self.PARTIAL, [(key(p), leaves[p].shape, leaves[p].dtype)
+        self.writer = PlannedWriter(self.out / PARTIAL, [(key(p), leaves[p].shape, leaves[p].dtype)
                                                              for p in paths], STATE_SHARD)
         self.lib = self.writer.lib
 
@@ -154,23 +181,19 @@ class StateWriter(AbortOnError):
         self.writer.add(name, a, index)
 
     def close(self) -> dict:
-        """Finishes the tensors, then puts them and config.yml in place of the old ones; returns the index."""
+        """Finishes the tensors, then puts them and config.yml in place of the old ones; returns the index.
+        The new config.yml is written whole beside the old one first (COMMIT): from then on the new state is
+        complete, and a kill during the renames that follow is finished by `finish_interrupted_save`."""
         index = self.writer.close()
-        config = self.out / ".config.yml.partial"
-        config.write_text(to_yaml(self.cfg))
-        state, old = self.out / STATE_NAME, self.out / self.OLD
-        shutil.rmtree(old, ignore_errors=True)
-        if state.exists():
-            state.rename(old)
-        (self.out / self.PARTIAL).rename(state)
-        config.replace(self.out / CONFIG_NAME)
-        shutil.rmtree(old, ignore_errors=True)
+        with replaced(self.out / COMMIT) as f:
+            f.write(to_yaml(self.cfg))
+        finish_interrupted_save(self.out)
         return index
 
     def abort(self) -> None:
         """Gives up: removes what was written; the directory keeps its old state/ and config.yml."""
         self.writer.abort()
-        shutil.rmtree(self.out / self.PARTIAL, ignore_errors=True)
+        shutil.rmtree(self.out / PARTIAL, ignore_errors=True)
 
 
 def state_writer(out_dir, cfg, order=()) -> StateWriter:
@@ -220,6 +243,7 @@ def load_state(ckpt_dir, cfg, verified: bool = False) -> dict:
     files are checked against their checksums first (`check_step_state`: every byte read once more), unless
     the caller has just done so (`verified`).
     """
+    finish_interrupted_save(ckpt_dir)
     saved = Path(ckpt_dir) / CONFIG_NAME
     if saved.is_file():
         saved_cfg = read_config(saved)

@@ -26,8 +26,8 @@ from tqdm import tqdm
 from ling2.checkpoint.manager import saved_config
 from ling2.checkpoint.safetensors_io import (INDEX_NAME, SINGLE_NAME, PlannedWriter, SafetensorsError, ShardedReader,
                                              is_float, count_beyond, overflow_limit)
-from ling2.checkpoint.state import (CONFIG_NAME, CheckpointError, STATE_NAME, check_shapes, flat, key, load_state,
-                                    model_leaves, read_config, state_writer, unflat)
+from ling2.checkpoint.state import (CONFIG_NAME, CheckpointError, STATE_NAME, check_shapes, finish_interrupted_save,
+                                    flat, key, load_state, model_leaves, read_config, state_writer, unflat)
 from ling2.config import ConfigError
 from ling2.convert import hf_config, mapping
 from ling2.layers.mtp import MTP
@@ -303,6 +303,7 @@ def convert_ling2_to_hf(ckpt_dir, out_dir, *, layout: str = "auto", config=None,
         raise ConversionError(f"--dtype: unknown {dtype!r} (known: {sorted(DTYPES)})")
     if not Path(ckpt_dir).is_dir():
         raise ConversionError(f"{ckpt_dir}: not a directory")
+    finish_interrupted_save(ckpt_dir)
     source = (Path(ckpt_dir) / STATE_NAME).resolve()
     if source in [Path(out_dir).resolve(), *Path(out_dir).resolve().parents]:
         raise ConversionError(f"--out {out_dir}: is in the checkpoint's own {source}; the HF shards, named as its "

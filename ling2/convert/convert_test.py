@@ -277,6 +277,55 @@ def test_malformed_safetensors_name_the_file(tmp_path):
         ShardedReader(tmp_path / "hf_missing")
 
 
+def _safetensors_file(path, header, data: bytes):
+    """A safetensors file with this header (a dict, or raw JSON bytes) and data section, built by hand."""
+    import struct
+
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+_A = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+_B = {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]}
+
+
+@pytest.mark.parametrize("case,header,data,message", [
+    ("a gap", {"a": {**_A, "data_offsets": [8, 24]}}, bytes(24), r"bytes \[0, 8\) of the data belong to no tensor"),
+    ("a gap between two", {"a": _A, "b": {**_B, "data_offsets": [20, 28]}}, bytes(28),
+     r"bytes \[16, 20\) of the data belong to no tensor \(the next is b\)"),
+    ("bytes after the data", {"a": _A}, bytes(24), r"8 bytes after the last tensor's end \(data byte 16\)"),
+    ("metadata a list", {"__metadata__": [1], "a": _A}, bytes(16), r"__metadata__ must map strings to strings"),
+    ("metadata values not strings", {"__metadata__": {"format": 1}, "a": _A}, bytes(16),
+     r"__metadata__ must map strings to strings"),
+])
+def test_malformed_safetensors_the_reference_refuses_are_refused(tmp_path, case, header, data, message):
+    """Files the safetensors package (the format's reference) refuses to load, ShardedReader refuses too, naming
+    the file and the bytes: the format's data section is the tensors end to end, with no hole and no tail, and
+    __metadata__ is a map of strings. The same file made whole loads in both."""
+    import safetensors
+
+    f = tmp_path / case.replace(" ", "_") / "model.safetensors"
+    _safetensors_file(f, header, data)
+    with pytest.raises(safetensors.SafetensorError):
+        safetensors.numpy.load_file(f)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(f))}: (malformed safetensors header: )?{message}"):
+        ShardedReader(f.parent)
+    _safetensors_file(f, {"a": _A, "b": _B}, np.arange(6, dtype=np.float32).tobytes())
+    assert safetensors.numpy.load_file(f)["b"].tolist() == ShardedReader(f.parent).read("b").tolist() == [4.0, 5.0]
+
+
+def test_a_header_naming_a_tensor_twice_is_refused(tmp_path):
+    """JSON keeps the last of two equal keys silently; a header giving tensor a two places (the first as its own
+    bytes) is refused by name instead of read from either."""
+    f = tmp_path / "model.safetensors"
+    _safetensors_file(f, b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+                         b'"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}', bytes(16))
+    with pytest.raises(ValueError, match=r"model\.safetensors: malformed safetensors header: key 'a' appears twice"):
+        ShardedReader(tmp_path)
+
+
 def test_planned_writer_blocks_views_and_casts(tmp_path):
     """Blocks written at their offsets, in any order, from transposed views and with a cast; read back alone."""
     from ling2.checkpoint.safetensors_io import CHUNK, PlannedWriter
@@ -571,6 +620,65 @@ def test_a_killed_ling2_to_hf_leaves_the_previous_output_or_none_that_loads(tmp_
     assert reader.names() == src.names()
     for n in src.names():
         assert np.array_equal(np.asarray(reader.read(n)), np.asarray(src.read(n)).astype(ml_dtypes.bfloat16)), n
+
+
+def _killed_hf_to_ling2(hf_dir, out, at: int, *flags):
+    """hf_to_ling2 run as a script and killed (os._exit, as kill -9) just before the `at`-th rename into `out`
+    itself (StateWriter.close: the new config.yml beside the old, old state/ aside, new state/ in, config.yml
+    replaced)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, runpy, sys\n"
+            "out, at, n = os.path.abspath(sys.argv.pop()), int(sys.argv.pop()), [0]\n"
+            "def killing(real):\n"
+            "    def rename(a, b, **k):\n"
+            "        if os.path.dirname(os.path.abspath(b)) == out:\n"
+            "            n[0] += 1\n"
+            "            if n[0] == at: os._exit(137)\n"
+            "        return real(a, b, **k)\n"
+            "    return rename\n"
+            "os.rename, os.replace = killing(os.rename), killing(os.replace)\n"
+            "sys.argv[0] = 'hf_to_ling2'\n"
+            "runpy.run_module('ling2.convert.hf_to_ling2', run_name='__main__')\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code, "--hf_dir", str(hf_dir), "--out", str(out), "--no_progress",
+                        *flags, str(at), str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == (137 if at <= 4 else 0), r.stderr
+
+
+@pytest.fixture(scope="module")
+def two_conversions(tmp_path_factory, tiny):
+    """Two HF checkpoints of ling2-tiny (other weights) and the second's uninterrupted scanned conversion."""
+    d = tmp_path_factory.mktemp("two")
+    write_random_hf(d / "a", tiny, seed=1)
+    write_random_hf(d / "b", tiny, seed=2)
+    assert hf_to_ling2.main(["--hf_dir", str(d / "b"), "--out", str(d / "ref"), "--no_progress", "--scan_layers"]) == 0
+    return d
+
+
+@pytest.mark.parametrize("at", [1, 2, 3, 4, 5])
+def test_a_save_killed_while_put_in_place_loads_old_or_new_whole(tmp_path, two_conversions, at):
+    """hf_to_ling2 over an earlier conversion (unscanned, other weights), killed at each rename that puts the
+    new state/ and config.yml in place: before the new config.yml is whole beside the old (at 1) the directory
+    is the old conversion byte for byte; from then on the first reader finishes the swap, and the directory is
+    the uninterrupted conversion's byte for byte (never the new state/ under the old config.yml, or none)."""
+    d = two_conversions
+    out = tmp_path / "l2"
+    assert hf_to_ling2.main(["--hf_dir", str(d / "a"), "--out", str(out), "--no_progress"]) == 0
+    before, ref = _tree(out), _tree(d / "ref")
+    _killed_hf_to_ling2(d / "b", out, at, "--scan_layers")
+    cfg = ckpt_state.read_config(d / "ref" / ckpt_state.CONFIG_NAME)
+    loaded = ckpt_state.load_state(out, cfg)  # a reader: finishes a swap that was under way
+    visible = {n: b for n, b in _tree(out).items() if not n.startswith(".")}
+    assert visible == (before if at == 1 else ref)
+    if at > 1:
+        want = ckpt_state.load_state(d / "ref", cfg)
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(want)))
+        assert sorted(p.name for p in out.iterdir()) == [ckpt_state.CONFIG_NAME, ckpt_state.STATE_NAME]
+    assert hf_to_ling2.main(["--hf_dir", str(d / "b"), "--out", str(out), "--no_progress", "--scan_layers"]) == 0
+    assert {n: b for n, b in _tree(out).items() if not n.startswith(".")} == ref
 
 
 @pytest.mark.parametrize("direction", ["hf_to_ling2", "ling2_to_hf"])

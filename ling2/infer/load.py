@@ -25,8 +25,8 @@ from flax import nnx
 
 from ling2.checkpoint.manager import saved_config, verify
 from ling2.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, SafetensorsError, ShardedReader
-from ling2.checkpoint.state import (CONFIG_NAME, STATE_NAME, CheckpointError, check_shapes, flat, load_state,
-                                    model_leaves, read_config, relayout)
+from ling2.checkpoint.state import (CONFIG_NAME, STATE_NAME, CheckpointError, check_shapes, finish_interrupted_save,
+                                    flat, load_state, model_leaves, read_config, relayout)
 from ling2.config import ConfigError, cli, load_config
 from ling2.config.paths import user_path
 from ling2.convert import convert, hf_config
@@ -133,6 +133,10 @@ def kind_of(path: Path) -> str:
         raise InferError(f"--ckpt={path}: no such directory")
     if not path.is_dir():
         raise InferError(f"--ckpt={path}: not a directory")
+    try:
+        finish_interrupted_save(path)
+    except CheckpointError as e:
+        raise InferError(f"--ckpt={e}") from None
     if (path / "config.json").is_file() and ((path / INDEX_NAME).is_file() or (path / SINGLE_NAME).is_file()):
         return "hf"
     if (path / CONFIG_NAME).is_file() and (path / STATE_NAME).is_dir():

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from ling2.checkpoint.manager import Checkpointer
 from ling2.checkpoint.manager import verify as checkpoint_verify
 from ling2.checkpoint.safetensors_io import INDEX_NAME
-from ling2.checkpoint.state import STATE_NAME, CheckpointError
+from ling2.checkpoint.state import STATE_NAME, CheckpointError, finish_interrupted_save
 from ling2.layers.model import count_params
 from ling2.layers.spec import ModelSpec
 from ling2.train import hooks
@@ -164,6 +164,7 @@ def check_load_parameters_path(path) -> None:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"load_parameters_path: {path} is not a directory")
+    finish_interrupted_save(path)
     if (path / STATE_NAME / INDEX_NAME).is_file():
         return
     if not (path / STATE_NAME).is_dir():

@@ -3,8 +3,10 @@
 GPU programs run in parallel, so the only sequential work is the chunk-to-chunk state recurrence:
 short sweeps carry the state with one matmul per chunk and store it at every chunk edge, then
 kernels over all chunks at once compute everything else from those stored states.
-Sweeps, grid (V / BLOCK_V, K / BLOCK_K, B, H): each program walks the N chunks of one head in order,
-carrying an fp32 [BLOCK_K, BLOCK_V] block of the state. SWEEP_STAGES = 3 keeps the loads of chunk n + 2 in
+Sweeps, grid (V / BV, K / BK, B, H) for a [BK, BV] = [SWEEP_BLOCK_K, SWEEP_BLOCK_V] block of the state:
+each program walks the N chunks of one head in order, carrying its fp32 block. The sweeps are sequential
+and latency-bound, so smaller blocks (more programs in flight per SM) can pay where the chunk kernels, which
+read q and k once per block, want wide ones: the two are set apart. SWEEP_STAGES = 3 keeps the loads of chunk n + 2 in
 flight while chunk n computes; with 2, Triton issues chunk n + 1's loads after chunk n's matmul and waits
 for all of them at the top of chunk n + 1 (`cp.async.wait_group 0` in the PTX), so they overlap nothing:
   states:  h_n, the state entering chunk n, then h_{n+1} = lam_n h_n + k^T (w v); ends as the final state.
@@ -44,8 +46,9 @@ from jax.experimental.pallas import triton as pltriton
 from ling2.kernels import vma
 from ling2.kernels.triton_blocks import dot, pad_last, pad_state, pow2
 
-BLOCK_K = 64  # state rows per sweep program and per dqdk program
-BLOCK_V = 64  # state columns per sweep program and per out / dv program
+BLOCK_K = 64  # key columns per dqdk program
+BLOCK_V = 64  # value columns per out / dv program
+SWEEP_BLOCK_K = SWEEP_BLOCK_V = 64  # the state block a sweep program carries
 SWEEP_WARPS, SWEEP_STAGES = 4, 3
 CHUNK_WARPS, CHUNK_STAGES = 4, 2
 STATE_DTYPE = None  # the stored h_n and dh_n; None: q's dtype (the same numbers as fp32 for bf16 inputs)
@@ -160,11 +163,13 @@ class _Layout:
         self.K, self.V = pow2(self.K0), pow2(self.V0)
         self.BK, self.BV = min(self.K, block_k or BLOCK_K), min(self.V, block_v or BLOCK_V)
         self.NK, self.NV = self.K // self.BK, self.V // self.BV
+        self.SK, self.SV = min(self.K, block_k or SWEEP_BLOCK_K), min(self.V, block_v or SWEEP_BLOCK_V)
+        self.sweep_grid = (self.V // self.SV, self.K // self.SK, self.B, self.H)
 
-    # Sweeps: grid (j, i, b, h) over V blocks j and K blocks i.
+    # Sweeps: grid (j, i, b, h) over V blocks j and K blocks i of the state (SV and SK wide).
     def seq(self, by_k):
         """[B, H, T, K] (by_k) or [B, H, T, V] -> one head's sequence, block i of K or block j of V."""
-        return pl.BlockSpec((None, None, self.T, self.BK if by_k else self.BV),
+        return pl.BlockSpec((None, None, self.T, self.SK if by_k else self.SV),
                             lambda j, i, b, h: (b, h, 0, i if by_k else j))
 
     def seq_vec(self, length):
@@ -172,12 +177,12 @@ class _Layout:
         return pl.BlockSpec((None, None, length), lambda j, i, b, h: (b, h, 0))
 
     def state(self):
-        """[B, H, K, V] -> a [BK, BV] block."""
-        return pl.BlockSpec((None, None, self.BK, self.BV), lambda j, i, b, h: (b, h, i, j))
+        """[B, H, K, V] -> a [SK, SV] block."""
+        return pl.BlockSpec((None, None, self.SK, self.SV), lambda j, i, b, h: (b, h, i, j))
 
     def states(self):
-        """[B, H, N, K, V] -> every chunk's [BK, BV] block."""
-        return pl.BlockSpec((None, None, self.N, self.BK, self.BV), lambda j, i, b, h: (b, h, 0, i, j))
+        """[B, H, N, K, V] -> every chunk's [SK, SV] block."""
+        return pl.BlockSpec((None, None, self.N, self.SK, self.SV), lambda j, i, b, h: (b, h, 0, i, j))
 
     # Chunk kernels: grid (x, n, b, h) over blocks x and chunks n.
     def chunk(self, D):
@@ -217,7 +222,7 @@ def _states(k, v, aux, h0, L, like, interpret):
     f32 = jnp.float32
     outs = [vma.out_struct((L.B, L.H, L.N, L.K, L.V), STATE_DTYPE or k.dtype, like),
             vma.out_struct((L.B, L.H, L.K, L.V), f32, like)]
-    return _call(functools.partial(_states_kernel, C=L.C), "ling2_gla_states", (L.NV, L.NK, L.B, L.H),
+    return _call(functools.partial(_states_kernel, C=L.C), "ling2_gla_states", L.sweep_grid,
                  [L.seq(True), L.seq(False), L.seq_vec(L.T), L.seq_vec(L.N), L.state()],
                  [L.states(), L.state()], outs, (k, v, aux["w"], _lam(aux, L), pad_state(h0, L.K, L.V)),
                  SWEEP_WARPS, SWEEP_STAGES, interpret)
@@ -243,7 +248,7 @@ def backward(q, k, v, aux, h0, do, dhT, scale, C, *, interpret=False, block_k=No
     q, k, v, do = pad_last(q, L.K), pad_last(k, L.K), pad_last(v, L.V), pad_last(do, L.V)
     h_BHNKV, _ = _states(k, v, aux, h0, L, q, interpret)
     dh_BHNKV, dh0_BHKV = _call(
-        functools.partial(_dstates_kernel, scale=scale, C=L.C), "ling2_gla_dstates", (L.NV, L.NK, L.B, L.H),
+        functools.partial(_dstates_kernel, scale=scale, C=L.C), "ling2_gla_dstates", L.sweep_grid,
         [L.seq(True), L.seq(False), L.seq_vec(L.T), L.seq_vec(L.N), L.state()], [L.states(), L.state()],
         [vma.out_struct((L.B, L.H, L.N, L.K, L.V), STATE_DTYPE or q.dtype, q),
          vma.out_struct((L.B, L.H, L.K, L.V), f32, q)],

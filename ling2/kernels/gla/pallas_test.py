@@ -77,12 +77,16 @@ def _dg_terms(q, k, dq, dk):
     return (np.abs(np.einsum("bthk,bthk->bth", f(q), f(dq))) + np.abs(np.einsum("bthk,bthk->bth", f(k), f(dk)))).sum((0, 1))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_pallas_gpu_split_over_k_and_v_blocks(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,sweep", [(jnp.float32, (16, 32)), (jnp.bfloat16, (16, 32)), (jnp.float32, (32, 16))])
+def test_pallas_gpu_split_over_k_and_v_blocks(monkeypatch, dtype, sweep):
     """Several K and V blocks per head (sweep programs carrying state blocks, chunk kernels summing over the
-    blocks) with documents that cross chunk edges and an initial state give the same numbers."""
+    blocks) with documents that cross chunk edges and an initial state give the same numbers, also when the
+    sweeps' state blocks differ from the chunk kernels' blocks (sweep: (SWEEP_BLOCK_K, SWEEP_BLOCK_V))."""
     monkeypatch.setattr(gla_pallas_gpu, "BLOCK_K", 16)
     monkeypatch.setattr(gla_pallas_gpu, "BLOCK_V", 32)
+    monkeypatch.setattr(gla_pallas_gpu, "SWEEP_BLOCK_K", sweep[0])
+    monkeypatch.setattr(gla_pallas_gpu, "SWEEP_BLOCK_V", sweep[1])
+    jax.clear_caches()  # the module constants are read when the kernels trace
     T, K, V = 50, 48, 40  # K and V pad to 64: four K blocks of 16, two V blocks of 32
     r = np.random.default_rng(2)
     q, k = (jnp.asarray(r.standard_normal((B, T, H, K)), dtype) for _ in range(2))

@@ -166,8 +166,11 @@ def kernels(args, save):
                       fla_name: lambda: fla_reference.chunk_op_runner(args.op, mode, x)}
             for stages in sorted({1, 2, 3, 4} - {_knob(args.op, "SWEEP_STAGES")}):  # the sweeps' pipeline depth
                 makers[f"pallas_gpu_sweep{stages}"] = _with_knobs(args.op, pallas, SWEEP_STAGES=stages)
-            if args.op == "gla":  # the stored chunk states in fp32 (the earlier default)
+            if args.op == "gla":  # the stored chunk states in fp32 (the earlier default); smaller sweep state blocks
                 makers["pallas_gpu_f32states"] = _with_knobs(args.op, pallas, STATE_DTYPE=jnp.float32)
+                makers["pallas_gpu_sweep_v32"] = _with_knobs(args.op, pallas, SWEEP_BLOCK_V=32)
+                makers["pallas_gpu_sweep_kv32"] = _with_knobs(args.op, pallas, SWEEP_BLOCK_K=32, SWEEP_BLOCK_V=32)
+                makers["pallas_gpu_chunk_v128"] = _with_knobs(args.op, pallas, BLOCK_V=128)  # q, k read once
             if args.op == "kda":  # Ling 3's gates are bounded (-5, 0): fla's safe-gate path applies
                 makers[fla_name + "_safe_gate"] = lambda: fla_reference.chunk_op_runner(args.op, mode, x, safe_gate=True,
                                                                                       lower_bound=-5.0)
