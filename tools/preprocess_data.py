@@ -13,7 +13,8 @@ line by line (`.gz` too) in blocks, so memory is bounded by two blocks plus the 
 arrays. The progress bar shows tokens/s.
 
 Outputs are written to temporary files beside the targets and renamed into place only on
-success, so a failed run leaves an existing dataset at the prefix untouched. Bad input (a
+success, so a failed run leaves an existing dataset at the prefix untouched; a run removes the
+temporaries of its outputs that a killed run (whose pid is gone) left. Bad input (a
 missing or malformed file, line or flag; an input with no tokens) is one `error:` line on
 stderr naming the file and line, and exit status 2.
 """
@@ -174,6 +175,29 @@ def _tmp(path: str) -> str:
     return f"{path}.{os.getpid()}.tmp"
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process; a number no pid reaches (kept)
+        pass
+    return True
+
+
+def _remove_stale_temporaries(prefixes) -> None:
+    """Removes the temporaries (`_tmp`) of these outputs that a run killed outright (kill -9, the OOM killer) left
+    behind: those whose pid names no live process on this host. A live run's are kept, also another user's."""
+    names = {os.path.basename(path) for p in prefixes for path in (indexed.bin_path(p), indexed.idx_path(p))}
+    out_dir = os.path.dirname(next(iter(prefixes))) or "."
+    with contextlib.suppress(OSError):
+        for name in os.listdir(out_dir):
+            m = re.fullmatch(r"(.+)\.([1-9][0-9]*)\.tmp", name)
+            if m and m.group(1) in names and not _alive(int(m.group(2))):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(out_dir, name))
+
+
 @contextlib.contextmanager
 def _writing(path: str):
     """An OSError while writing `path` (its temporary file) as a DataError naming `path`: a full disk
@@ -212,10 +236,23 @@ def _publish(prefixes) -> None:
             os.close(fd)
 
 
+_MIN_WORKER_LIMIT = 64
+
+
+def max_workers() -> tuple[int, int]:
+    """(CPUs this process may run on, the most --workers accepted): 4 per CPU, and at least 64, so that a
+    command line copied from a bigger node still runs on a small one."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return cpus, max(_MIN_WORKER_LIMIT, 4 * cpus)
+
+
 def _check_flags(args) -> None:
     """Flags that would otherwise run with a silently different meaning: a repeated key (each
     document written twice), a prefix naming a directory (hidden `_key_document` files in it),
-    a worker count below 1."""
+    a worker count below 1; and one past `max_workers` (a typo such as 10**6 forking that many)."""
     seen = set()
     for k in args.json_keys:
         if k in seen:
@@ -226,6 +263,11 @@ def _check_flags(args) -> None:
                         "it is a file-name prefix (e.g. DIR/corpus)")
     if args.workers < 1:
         raise DataError(f"--workers {args.workers}: must be at least 1")
+    cpus, limit = max_workers()
+    if args.workers > limit:
+        raise DataError(f"--workers {args.workers}: at most {limit} (4 per CPU of the {cpus} this process may "
+                        f"use, but at least {_MIN_WORKER_LIMIT}); tokenizing is CPU-bound, so more processes only "
+                        "compete for the CPUs")
 
 
 def run(args) -> dict:
@@ -249,6 +291,7 @@ def run(args) -> dict:
     dtype = indexed.optimal_dtype(vocab)
     prefixes = {k: output_prefix(args.output_prefix, k, args.split_sentences)
                 for k in args.json_keys}
+    _remove_stale_temporaries(prefixes.values())
     builders, t0 = {}, time.time()
     try:
         for k, p in prefixes.items():
@@ -262,15 +305,8 @@ def run(args) -> dict:
                 builders[k].finalize(_tmp(indexed.idx_path(p)))
         _publish(prefixes.values())
     except BaseException:
-        for k, p in prefixes.items():
-            if k in builders:
-                try:
-                    builders[k].discard()
-                except OSError:  # closing flushes the buffer, which fails again on a full disk
-                    pass
-            for path in (indexed.bin_path(p), indexed.idx_path(p)):
-                if os.path.exists(_tmp(path)):
-                    os.remove(_tmp(path))
+        for b in builders.values():
+            b.discard()
         raise
     if not args.quiet:
         dt = max(time.time() - t0, 1e-9)
@@ -325,7 +361,10 @@ def parse_args(argv=None):
     p.add_argument("--eod-id", type=int, default=None,
                    help="default: the tokenizer's " + "/".join(_EOD_NAMES))
     p.add_argument("--split-sentences", action="store_true")
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--workers", type=int, default=1,
+                   help="tokenizing processes; about one per CPU is fastest. Refused above 4 per CPU this "
+                        "process may use (64 where there are fewer than 16): tokenizing is CPU-bound, so more "
+                        "processes only compete for the CPUs, each holding its own tokenizer")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 

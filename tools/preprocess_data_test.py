@@ -223,6 +223,44 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, case, workers):
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.parametrize("cpus,limit", [(2, 64), (40, 160)])
+def test_workers_past_the_limit_are_refused_before_any_process_starts(tmp_path, capsys, monkeypatch, cpus, limit):
+    """--workers above 4 per CPU this process may use (and above 64) exits 2 naming the flag and the limit, before
+    a worker is forked or a file written; the limit itself is accepted."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setattr(pre.multiprocessing, "get_context", lambda *a: pytest.fail("a worker pool was started"))
+    (tmp_path / "in.jsonl").write_bytes(_lines_of(2))
+    (tmp_path / "out").mkdir()
+    for n in (limit + 1, 10**6):
+        assert _main(tmp_path / "in.jsonl", tmp_path / "out", "--workers", str(n)) == 2
+        assert capsys.readouterr().err == (
+            f"error: --workers {n}: at most {limit} (4 per CPU of the {cpus} this process may use, but at least 64); "
+            "tokenizing is CPU-bound, so more processes only compete for the CPUs\n")
+    assert list((tmp_path / "out").iterdir()) == []
+    pre._check_flags(pre.parse_args(["--input", "x", "--tokenizer", TOK, "--output-prefix", "o",
+                                     "--workers", str(limit)]))
+
+
+def test_a_run_removes_the_temporaries_that_killed_runs_left(tmp_path):
+    """Temporaries `{output}.{pid}.tmp` that runs killed outright left (their pids gone) are removed by the next
+    run writing the same outputs; a live process's (this test's own pid) and other outputs' are kept."""
+    d, out = tmp_path / "in", tmp_path / "out"
+    d.mkdir()
+    out.mkdir()
+    (d / "in.jsonl").write_bytes(_lines_of(20))
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text())  # every pid is below pid_max
+    stale = [f"out_text_document.{ext}.{pid}.tmp" for ext in ("bin", "idx") for pid in (dead, dead + 1)]
+    kept = [f"out_text_document.bin.{os.getpid()}.tmp", f"out_text_document.idx.{os.getpid()}.tmp",
+            f"other_text_document.bin.{dead}.tmp", f"out_text_document.bin.{dead}.tmp.bak"]
+    for name in stale + kept:
+        (out / name).write_bytes(b"partial")
+    r = _script("--input", str(d / "in.jsonl"), "--output-prefix", str(out / "out"))
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(kept + ["out_text_document.bin", "out_text_document.idx"])
+    assert all((out / name).read_bytes() == b"partial" for name in kept)
+    assert IndexedDataset(str(out / "out_text_document")).num_documents == 20
+
+
 def _snapshot(path: Path) -> dict:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
 
@@ -384,22 +422,26 @@ def _script(*argv, limit_bytes=None):
                           preexec_fn=limit if limit_bytes else None)
 
 
+@pytest.mark.parametrize("full", ["bin", "idx"])
 @pytest.mark.parametrize("workers", ["1", "2"])
-def test_a_failed_write_is_named_and_keeps_the_existing_dataset(tmp_path, workers):
-    """A write the file system refuses (a full disk) is one `error:` line naming the `.bin`, exit 2; the
-    dataset already at the prefix stays byte for byte and no temporary file is left."""
+def test_a_failed_write_is_named_and_keeps_the_existing_dataset(tmp_path, workers, full):
+    """A write the file system refuses (a full disk) is one `error:` line naming the `.bin` or `.idx` it hit, exit
+    2; the dataset already at the prefix stays byte for byte and no temporary file is left."""
     d, out = tmp_path / "in", tmp_path / "out"
     d.mkdir()
     out.mkdir()
     (d / "old.jsonl").write_bytes(_lines_of(20))
-    (d / "big.jsonl").write_bytes(_lines_of(20000))
+    if full == "bin":
+        (d / "big.jsonl").write_bytes(_lines_of(20000))
+    else:  # one token and the EOD a document: 4 bytes of .bin, 20 of .idx
+        (d / "big.jsonl").write_text((json.dumps({"text": "the"}) + "\n") * 8000)
     r = _script("--input", str(d / "old.jsonl"), "--output-prefix", str(out / "out"), "--append-eod")
     assert r.returncode == 0, r.stderr
     before = _snapshot(out)
     r = _script("--input", str(d / "big.jsonl"), "--output-prefix", str(out / "out"), "--append-eod",
                 "--workers", workers, limit_bytes=64 << 10)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.splitlines() == [f"error: {out}/out_text_document.bin: cannot write: File too large"]
+    assert r.stderr.splitlines() == [f"error: {out}/out_text_document.{full}: cannot write: File too large"]
     assert _snapshot(out) == before
 
 
@@ -470,7 +512,8 @@ def test_train_tokenizer_failed_write_keeps_the_existing_file(tmp_path):
 
 def test_killing_the_parent_kills_its_workers_quietly(tmp_path):
     """kill -9 of a run with --workers: its worker processes die with it (none left tokenizing, none printing a
-    BrokenPipe traceback when they next report), the dataset at the prefix is untouched and no `.idx` is made."""
+    BrokenPipe traceback when they next report), the dataset at the prefix is untouched and no `.idx` is made;
+    the next run removes the temporary `.bin` it left."""
     import signal
     import time
 
@@ -493,6 +536,11 @@ def test_killing_the_parent_kills_its_workers_quietly(tmp_path):
                 open(f"/proc/{w}/stat").read().split()[2] != "Z"], workers
     assert "Traceback" not in err, err
     assert not list(tmp_path.glob("o_text_document.idx*"))
+    assert [p.name for p in tmp_path.glob("o_text_document.*.tmp")] == [f"o_text_document.bin.{p.pid}.tmp"]
+    (tmp_path / "small.jsonl").write_bytes(_lines_of(20))
+    r = _script("--input", str(tmp_path / "small.jsonl"), "--output-prefix", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.glob("o_*")) == ["o_text_document.bin", "o_text_document.idx"]
 
 
 def test_train_tokenizer_output_that_is_no_regular_file_is_written_to_not_replaced(tmp_path):

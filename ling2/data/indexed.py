@@ -12,6 +12,7 @@ for multimodal files only, int8 sequence modes.
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import shutil
 import struct
@@ -256,6 +257,7 @@ class IndexedDatasetBuilder:
             raise ValueError(f"{bin_file}: unsupported token dtype {self.dtype} (token ids are integers)")
         self.bin_file = bin_file
         self._out = open(bin_file, "wb")
+        self._idx_file = None  # the `.idx` that `finalize` began writing
         self.multimodal = multimodal
         self.sequence_lengths = array.array("i")
         self.document_indices = array.array("q", [0])
@@ -329,10 +331,15 @@ class IndexedDatasetBuilder:
             shutil.copyfileobj(f, self._out)
 
     def discard(self) -> None:
-        """Closes and deletes the partial `.bin`, so a failed build leaves no file behind."""
-        self._out.close()
-        if os.path.exists(self.bin_file):
-            os.remove(self.bin_file)
+        """Deletes the partial `.bin` and any `.idx` that `finalize` began, so a failed build leaves no file
+        behind; raises nothing, so the error that failed the build is the one reported. The buffered tail of the
+        `.bin` is dropped unwritten: on a full disk writing it would fail again."""
+        with contextlib.suppress(OSError):
+            self._out.raw.close()  # the BufferedWriter is closed with it, its buffer never flushed
+        for path in (self.bin_file, self._idx_file):
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
 
     def finalize(self, idx_file: str) -> None:
         self._out.close()
@@ -340,6 +347,7 @@ class IndexedDatasetBuilder:
         pointers = np.zeros(lengths.size, dtype=np.int64)
         if lengths.size > 1:
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        self._idx_file = idx_file
         with open(idx_file, "wb") as f:
             f.write(MAGIC)
             f.write(struct.pack("<Q", VERSION))

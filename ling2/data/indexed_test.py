@@ -268,3 +268,50 @@ def test_trailing_bytes(good):
         f.write(b"\x00" * 5)
     with pytest.raises(I.DataFormatError, match="trailing bytes"):
         I.IndexedDataset(good)
+
+
+_FILL = """
+import json, sys
+import numpy as np
+from ling2.data import indexed as I
+prefix, full = sys.argv[1], sys.argv[2]
+b = I.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+errors = []
+try:
+    if full == "bin":  # 200 bytes a document: the .bin outgrows the limit
+        for _ in range(10000):
+            b.add_document(np.full(100, 7), [100])
+    else:  # 2 bytes of .bin and 20 of .idx a document: only the .idx does
+        for _ in range(10000):
+            b.add_document([7], [1])
+        b.finalize(prefix + ".idx")
+except OSError as e:
+    errors.append(e.strerror)
+try:
+    b.discard()
+except BaseException as e:
+    errors.append(repr(e))
+print(json.dumps(errors))
+"""
+
+
+@pytest.mark.parametrize("full", ["bin", "idx"])
+def test_discard_on_a_full_disk_raises_nothing_and_leaves_no_file(tmp_path, full):
+    """A build the file system stops (a full disk; here RLIMIT_FSIZE of 64 KiB) while writing the `.bin` or the
+    `.idx`: discard() raises no second error (flushing what the `.bin` still buffers would fail again) and removes
+    both partial files."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", _FILL, str(tmp_path / "d"), full], capture_output=True, text=True,
+                       env=env, timeout=120, preexec_fn=small_disk)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == ["File too large"]
+    assert list(tmp_path.iterdir()) == []
