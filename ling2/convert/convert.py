@@ -29,7 +29,7 @@ from ling2.checkpoint.safetensors_io import (INDEX_NAME, SINGLE_NAME, PlannedWri
 from ling2.checkpoint.state import (CONFIG_NAME, CheckpointError, STATE_NAME, check_shapes, finish_interrupted_save,
                                     flat, key, load_state, model_leaves, read_config, state_writer, unflat)
 from ling2.config import ConfigError
-from ling2.convert import hf_config, mapping
+from ling2.convert import hf_config, mapping, quantized
 from ling2.layers.mtp import MTP
 from ling2.layers.spec import ModelSpec
 
@@ -64,6 +64,25 @@ def read_hf_config(hf_dir) -> dict:
     if not isinstance(hf, dict):
         raise ConversionError(f"{path}: top level must be a JSON object, got {type(hf).__name__}")
     return hf
+
+
+def open_hf(hf_dir, hf: dict):
+    """The tensors of an HF directory: a ShardedReader, wrapped in `quantized.Dequantized` when its config.json
+    declares FP8 weights (read as weight x scale). ConversionError naming config.json for a quantization Ling2
+    does not read."""
+    try:
+        how = quantized.scheme(hf)
+    except ValueError as e:
+        raise ConversionError(f"{Path(hf_dir) / 'config.json'}: {e}") from None
+    reader = ShardedReader(hf_dir)
+    if how is None:
+        f8 = [n for n in reader.names() if reader.dtype(n).name in quantized.FLOAT8]
+        if f8:  # their values mean nothing without the scales a quantization_config says how to apply
+            raise ConversionError(f"{reader.path(f8[0])}: tensor {f8[0]} (and {len(f8) - 1} more) is "
+                                  f"{reader.dtype(f8[0]).name}, but {Path(hf_dir) / 'config.json'} has no "
+                                  "quantization_config saying how its scales apply")
+        return reader
+    return quantized.Dequantized(reader, how)
 
 
 def auto_map_modules(hf: dict) -> list[str]:
@@ -267,7 +286,7 @@ def convert_hf_to_ling2(hf_dir, out_dir, *, scan_layers: bool = False, dtype: st
         raise ConversionError(f"--dtype: unknown {dtype!r} (known: {sorted(DTYPES)})")
     cfg = hf_config.load_ling2_config(
         hf, layout, {"scan_layers": scan_layers, "weight_dtype": DTYPES[dtype], "dtype": DTYPES[dtype]}, *overrides)
-    reader = ShardedReader(hf_dir)
+    reader = open_hf(hf_dir, hf)
     plan = _plan(reader, cfg, layout, allow_missing_mtp)
     try:
         writer = state_writer(out_dir, cfg, [e.path for e, _ in plan[1]])

@@ -346,10 +346,12 @@ def hf_to_overrides(hf: dict, layout: str) -> dict:
 
 
 def load_ling2_config(hf: dict, layout: str, *overrides, **kwargs):
-    """A full Ling2 Config: base.yml, then the HF fields (and `hf_source_config` = `hf`), then
-    `overrides` (key=value or dicts). A value Ling2 rejects is reported with its config.json name."""
+    """A full Ling2 Config: base.yml, then the HF fields (and `hf_source_config` = `hf` less its
+    quantization_config: Ling2 holds the weights an FP8 checkpoint stands for, and exports them unquantized),
+    then `overrides` (key=value or dicts). A value Ling2 rejects is reported with its config.json name."""
+    source = {k: v for k, v in hf.items() if k != "quantization_config"}
     try:
-        return load_config(hf_to_overrides(hf, layout), {"hf_source_config": dict(hf)}, *overrides, **kwargs)
+        return load_config(hf_to_overrides(hf, layout), {"hf_source_config": source}, *overrides, **kwargs)
     except ConfigError as e:
         def name(m):  # "field (from override):" or "field:" at a line start -> the config.json name too
             hk = HF_NAMES.get(m.group(2))

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from ling2.checkpoint.manager import saved_config, verify
-from ling2.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, SafetensorsError, ShardedReader
+from ling2.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, SafetensorsError
 from ling2.checkpoint.state import (CONFIG_NAME, STATE_NAME, CheckpointError, check_shapes, finish_interrupted_save,
                                     flat, load_state, model_leaves, read_config, relayout)
 from ling2.config import ConfigError, cli, load_config
@@ -200,7 +200,7 @@ def load_model(ckpt, *overrides, progress: bool = False, need_mtp: bool = False)
             layout = hf_config.detect_layout(hf)
             dtype = HF_DTYPES.get(str(hf.get("torch_dtype", hf.get("dtype", ""))), "float32")
             cfg = hf_config.load_ling2_config(hf, layout, {"dtype": dtype}, *overrides, INFER_OVERRIDES)
-            reader = ShardedReader(path)
+            reader = convert.open_hf(path, hf)
             if convert.mtp_absent(reader, cfg, layout):
                 _missing_mtp(path, cfg.mtp_num_layers, need_mtp)
                 cfg = hf_config.load_ling2_config(hf, layout, {"dtype": dtype}, *overrides, INFER_OVERRIDES,
