@@ -73,7 +73,7 @@ def scheme(hf: dict):
             raise ValueError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
         return Scheme("block", block=tuple(block))
     if method == "compressed-tensors":
-        if q.get("format") not in ("float-quantized", "naive-quantized"):
+        if q.get("format") != "float-quantized":  # naive-quantized keeps quantized values in a 16-bit dtype
             raise ValueError(f"quantization_config.format {q.get('format')!r} is not read (float-quantized is)")
         groups = q.get("config_groups")
         if not isinstance(groups, dict) or not groups:
