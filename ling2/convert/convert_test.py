@@ -569,31 +569,37 @@ def test_a_failed_ling2_to_hf_leaves_the_previous_output_as_it_was(tmp_path, l2_
     ShardedReader(out)
 
 
-def _killed_ling2_to_hf(ckpt, out, when: str):
-    """ling2_to_hf run as a script and killed (os._exit, as kill -9: no cleanup runs) `when`: 'writing' (half of
-    the tensors written) or 'publishing' (after the first file was moved into the output directory)."""
+def _run_patched(cli: str, patch: str, argv: list, expect: int) -> None:
+    """The converter `cli` run as a script in a subprocess once `patch` (Python source, run first) has wrapped
+    what it kills in: os._exit(137), as kill -9, so no cleanup runs. `patch` pops its own arguments off the end
+    of sys.argv; the exit status must be `expect`."""
     import os
     import subprocess
     import sys
 
-    code = ("import os, runpy, sys\n"
-            "from ling2.checkpoint import safetensors_io\n"
-            "when = sys.argv.pop()\n"
-            "real_add, real_replace, n = safetensors_io.PlannedWriter.add, os.replace, [0]\n"
-            "def add(self, *a, **k):\n"
-            "    n[0] += 1\n"
-            "    if n[0] == 300 and when == 'writing': os._exit(137)\n"
-            "    return real_add(self, *a, **k)\n"
-            "def replace(a, b):\n"
-            "    real_replace(a, b)\n"
-            "    if when == 'publishing': os._exit(137)\n"
-            "safetensors_io.PlannedWriter.add, os.replace = add, replace\n"
-            "sys.argv[0] = 'ling2_to_hf'\n"
-            "runpy.run_module('ling2.convert.ling2_to_hf', run_name='__main__')\n")
+    code = (f"import os, runpy, sys\n{patch}sys.argv[0] = {cli!r}\n"
+            f"runpy.run_module('ling2.convert.{cli}', run_name='__main__')\n")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, "-c", code, "--ckpt", str(ckpt), "--out", str(out), "--no_progress",
-                        "--dtype", "bf16", when], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 137, r.stderr
+    r = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == expect, r.stderr
+
+
+def _killed_ling2_to_hf(ckpt, out, when: str):
+    """ling2_to_hf killed `when`: 'writing' (half of the tensors written) or 'publishing' (after the first file
+    was moved into the output directory)."""
+    patch = ("from ling2.checkpoint import safetensors_io\n"
+             "when = sys.argv.pop()\n"
+             "real_add, real_replace, n = safetensors_io.PlannedWriter.add, os.replace, [0]\n"
+             "def add(self, *a, **k):\n"
+             "    n[0] += 1\n"
+             "    if n[0] == 300 and when == 'writing': os._exit(137)\n"
+             "    return real_add(self, *a, **k)\n"
+             "def replace(a, b):\n"
+             "    real_replace(a, b)\n"
+             "    if when == 'publishing': os._exit(137)\n"
+             "safetensors_io.PlannedWriter.add, os.replace = add, replace\n")
+    _run_patched("ling2_to_hf", patch, ["--ckpt", str(ckpt), "--out", str(out), "--no_progress", "--dtype", "bf16",
+                                        when], 137)
 
 
 @pytest.mark.parametrize("when", ["writing", "publishing"])
@@ -623,29 +629,19 @@ def test_a_killed_ling2_to_hf_leaves_the_previous_output_or_none_that_loads(tmp_
 
 
 def _killed_hf_to_ling2(hf_dir, out, at: int, *flags):
-    """hf_to_ling2 run as a script and killed (os._exit, as kill -9) just before the `at`-th rename into `out`
-    itself (StateWriter.close: the new config.yml beside the old, old state/ aside, new state/ in, config.yml
-    replaced)."""
-    import os
-    import subprocess
-    import sys
-
-    code = ("import os, runpy, sys\n"
-            "out, at, n = os.path.abspath(sys.argv.pop()), int(sys.argv.pop()), [0]\n"
-            "def killing(real):\n"
-            "    def rename(a, b, **k):\n"
-            "        if os.path.dirname(os.path.abspath(b)) == out:\n"
-            "            n[0] += 1\n"
-            "            if n[0] == at: os._exit(137)\n"
-            "        return real(a, b, **k)\n"
-            "    return rename\n"
-            "os.rename, os.replace = killing(os.rename), killing(os.replace)\n"
-            "sys.argv[0] = 'hf_to_ling2'\n"
-            "runpy.run_module('ling2.convert.hf_to_ling2', run_name='__main__')\n")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, "-c", code, "--hf_dir", str(hf_dir), "--out", str(out), "--no_progress",
-                        *flags, str(at), str(out)], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == (137 if at <= 4 else 0), r.stderr
+    """hf_to_ling2 killed just before the `at`-th rename into `out` itself (StateWriter.close: the new config.yml
+    beside the old, old state/ aside, new state/ in, config.yml replaced); past the 4th it runs to the end."""
+    patch = ("out, at, n = os.path.abspath(sys.argv.pop()), int(sys.argv.pop()), [0]\n"
+             "def killing(real):\n"
+             "    def rename(a, b, **k):\n"
+             "        if os.path.dirname(os.path.abspath(b)) == out:\n"
+             "            n[0] += 1\n"
+             "            if n[0] == at: os._exit(137)\n"
+             "        return real(a, b, **k)\n"
+             "    return rename\n"
+             "os.rename, os.replace = killing(os.rename), killing(os.replace)\n")
+    _run_patched("hf_to_ling2", patch, ["--hf_dir", str(hf_dir), "--out", str(out), "--no_progress", *flags, str(at),
+                                        str(out)], 137 if at <= 4 else 0)
 
 
 @pytest.fixture(scope="module")

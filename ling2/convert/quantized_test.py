@@ -22,14 +22,10 @@ from ling2.convert.testing.hf_fixtures import write_random_hf
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return load_config(model_name="ling2-tiny")
-
-
-@pytest.fixture(scope="module")
-def hf_fp32(tmp_path_factory, tiny):
+def hf_fp32(tmp_path_factory):
+    """A random float32 HF checkpoint of ling2-tiny: (its directory, {name: array})."""
     d = tmp_path_factory.mktemp("hf32")
-    return d, write_random_hf(d, tiny)
+    return d, write_random_hf(d, load_config(model_name="ling2-tiny"))
 
 
 def _quantized(name: str, a: np.ndarray) -> bool:
@@ -96,7 +92,7 @@ SCHEMES = {
 
 
 @pytest.mark.parametrize("case", SCHEMES)
-def test_fp8_checkpoint_converts_as_the_weights_it_stands_for(tmp_path, hf_fp32, tiny, case):
+def test_fp8_checkpoint_converts_as_the_weights_it_stands_for(tmp_path, hf_fp32, case):
     """Blocks of 48 x 40 leave ragged blocks at the edges of every 64- and 128-wide weight."""
     d, src = hf_fp32
     quant, strategy, scale_name = SCHEMES[case]
