@@ -126,9 +126,9 @@ class Dequantized:
                 continue
             found = [n + s for s in SCALE_SUFFIXES if n.endswith(".weight") and n + s in reader.entries]
             if not found or len(reader.shape(n)) != 2:
-                raise SafetensorsError(f"{reader.path(n)}: tensor {n} is {reader.dtype(n).name} "
-                                       + ("without its scale (" + " or ".join(n + s for s in SCALE_SUFFIXES) + ")"
-                                          if not found else f"of shape {reader.shape(n)}; float8 weights are [out, in]"))
+                why = ("without its scale (" + " or ".join(n + s for s in SCALE_SUFFIXES) + ")" if not found
+                       else f"of shape {reader.shape(n)}; float8 weights are [out, in]")
+                raise SafetensorsError(f"{reader.path(n)}: tensor {n} is {reader.dtype(n).name} {why}")
             if not how.fits(reader.shape(found[0]), reader.shape(n)):
                 raise SafetensorsError(f"{reader.path(found[0])}: scale {found[0]} has shape {reader.shape(found[0])}, "
                                        f"the {how.strategy} scheme of {n} {reader.shape(n)} needs "

@@ -105,7 +105,8 @@ def test_fp8_checkpoint_converts_as_the_weights_it_stands_for(tmp_path, hf_fp32,
     w.close()
     (tmp_path / "ref" / "config.json").write_text(json.dumps(hf_json))
     for src_dir, out in (("fp8", "l2_fp8"), ("ref", "l2_ref")):
-        assert hf_to_ling2.main(["--hf_dir", str(tmp_path / src_dir), "--out", str(tmp_path / out), "--no_progress"]) == 0
+        assert hf_to_ling2.main(["--hf_dir", str(tmp_path / src_dir), "--out", str(tmp_path / out),
+                                 "--no_progress"]) == 0
     got, want = ShardedReader(tmp_path / "l2_fp8" / "state"), ShardedReader(tmp_path / "l2_ref" / "state")
     assert got.names() == want.names()
     for n in want.names():

@@ -6,7 +6,8 @@
 # LING2_FROM_BASE: paths the new rows take from .base (work in progress left out of a run).
 # Phases (PHASES, run in the order given; default below): test (device correctness tests, beside the warm
 # compiles), warm (every step's compile, side by side, into JAX's persistent cache), step (timed steps + traces),
-# mfu (the three MFU figures), moe (the grouped SwiGLU alone per backend), kernels (GLA and KDA vs fla, device-bound).
+# mfu (the three MFU figures), moe (the grouped SwiGLU alone per backend), kernels (GLA and KDA vs fla, device-bound),
+# attn (MLA's cuDNN attention alone: the packed-document mask and the 192-wide heads, tools/bench/gpu/attention.py).
 # Each phase is under `timeout`; results are
 # packed into $OUT/results.tar.gz (raw traces the reader could not read: traces.tar.gz) after every phase, so a
 # run cut short keeps what it measured.
@@ -98,6 +99,11 @@ phase_moe() {
   new env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${MOE_S:-120} python3 -m tools.bench.gpu.moe --out $R/moe.json \
     ${MOE_ARGS:-}; pack
 }
+phase_attn() {
+  stamp "phase attn"
+  new env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${ATTN_S:-90} python3 -m tools.bench.gpu.attention --out $R/attention.json \
+    ${ATTN_ARGS:-}; pack
+}
 phase_kernels() {
   stamp "phase kernels"
   for op in gla kda; do
@@ -107,7 +113,7 @@ phase_kernels() {
   pack
 }
 for p in ${PHASES//,/ }; do
-  declare -F phase_$p > /dev/null || { echo "unknown phase $p (test, warm, step, mfu, moe, kernels)"; exit 2; }
+  declare -F phase_$p > /dev/null || { echo "unknown phase $p (test, warm, step, mfu, moe, kernels, attn)"; exit 2; }
   phase_$p
 done
 [ -n "$TEST_PID" ] && wait $TEST_PID; tail -3 $R/device_test.txt 2>/dev/null
