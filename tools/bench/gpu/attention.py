@@ -11,8 +11,13 @@ MLA shape (B rows of --seq tokens, its heads, bf16; documents of random lengths,
   ling2_blocked  `blocked_attention`, the XLA path Ling2 takes where cuDNN does not apply;
   causal         cuDNN, causal only, no mask (the documents' boundaries ignored: what the mask costs);
   causal_qk128   the same with q, k and v 128 wide (cuDNN's best-tuned shape: the rate to expect);
+  mla_v128       JAX's own cuDNN binding (jax._src.cudnn, private) with v left 128 wide (cuDNN >= 9.10 on
+                 Hopper takes q and v heads of different widths), the documents as the same bias;
+  packed         the same binding with the documents as cuDNN's packed segments (per-row lengths and offsets,
+                 no bias), v 128 wide;
 Times are device-bound (`queued_seconds`). FLOPs count the causal half with the real head dims (q.k 192, p.v
-128: 2 B H T^2 (Dqk + Dv) / 2 forward, 2.5x that with the backward).
+128: 2 B H T^2 (Dqk + Dv) / 2 forward, 2.5x that with the backward). Each forward that respects the documents
+is also compared with `ling2`'s output (`max_abs_diff_vs_ling2`), so a faster variant is known to be right.
 """
 
 import argparse
@@ -28,7 +33,8 @@ from ling2.kernels.attention.cudnn import cudnn_attention
 from ling2.kernels.attention.dense import blocked_attention
 from tools.bench.report import host_facts, matmul_rate, queued_seconds
 
-VARIANTS = ("ling2", "ling2_blocked", "causal", "causal_qk128")
+VARIANTS = ("ling2", "ling2_blocked", "causal", "causal_qk128", "mla_v128", "packed")
+SAME_DOCUMENTS = ("ling2_blocked", "mla_v128", "packed")  # variants whose output must equal ling2's
 
 
 def segments(B, T, doc, seed=0):
@@ -41,12 +47,43 @@ def segments(B, T, doc, seed=0):
     return jnp.asarray(out)
 
 
-def fn(variant, scale, block):
-    """(q, k, v, seg) -> attention output, for `variant` (see the module doc)."""
+def packed_segments(seg):
+    """(lengths [B, M], offsets [B, M + 1]) of each row's documents for cuDNN's packed layout, -1 past a row's
+    last (M: the most documents in a row), from the [B, T] ids of `segments` (host numpy)."""
+    seg = np.asarray(seg)
+    B, T = seg.shape
+    starts = [np.flatnonzero(np.diff(row, prepend=-1)) for row in seg]
+    M = max(len(s) for s in starts)
+    lengths, offsets = -np.ones((B, M), np.int32), -np.ones((B, M + 1), np.int32)
+    for b, s in enumerate(starts):
+        lengths[b, :len(s)] = np.diff(np.append(s, T))
+        offsets[b, :len(s) + 1] = np.append(s, T)
+    return jnp.asarray(lengths), jnp.asarray(offsets)
+
+
+def fn(variant, scale, block, seg=None):
+    """(q, k, v, seg) -> attention output, for `variant` (see the module doc); `seg` the [B, T] document ids
+    (host values: `packed` builds its segment table from them)."""
     if variant == "ling2":
         return lambda q, k, v, seg: cudnn_attention(q, k, v, seg, scale, block)
     if variant == "ling2_blocked":
         return lambda q, k, v, seg: blocked_attention(q, k, v, seg, scale, block)
+    if variant in ("mla_v128", "packed"):
+        from jax._src.cudnn import fused_attention_stablehlo as fa  # private: q and v heads of different widths
+
+        if variant == "mla_v128":
+            def mla(q, k, v, seg):
+                bias = jnp.where(seg[:, :, None] == seg[:, None, :], 0.0, -1e9)[:, None].astype(q.dtype)
+                return fa.dot_product_attention(q, k, v, bias, scale=scale, mask_type=fa.MaskType.CAUSAL)
+
+            return mla
+        lengths, offsets = packed_segments(seg)
+
+        def packed(q, k, v, seg):
+            return fa.dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
+                                            kv_offsets=offsets, scale=scale, mask_type=fa.MaskType.PADDING_CAUSAL)
+
+        return packed
 
     def causal(q, k, v, seg):
         K = q.shape[-1]
@@ -64,19 +101,27 @@ def rows(args, rate, save):
         Dqk, Dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
         r = np.random.default_rng(0)
         seg = segments(B, T, args.doc)
+        qkv = {}
+        for dqk, dv in {(Dqk, Dv), (128, 128)}:
+            qkv[dqk, dv] = (*(jnp.asarray(r.standard_normal((B, T, H, dqk)), jnp.bfloat16) for _ in range(2)),
+                            jnp.asarray(r.standard_normal((B, T, H, dv)), jnp.bfloat16))
+        reference = None
         for variant in args.variants:
             dqk, dv = (128, 128) if variant == "causal_qk128" else (Dqk, Dv)
-            q, k = (jnp.asarray(r.standard_normal((B, T, H, dqk)), jnp.bfloat16) for _ in range(2))
-            v = jnp.asarray(r.standard_normal((B, T, H, dv)), jnp.bfloat16)
-            f = fn(variant, dqk ** -0.5, args.block)
+            q, k, v = qkv[dqk, dv]
             fwd_flops = 2 * B * H * T * T * (dqk + dv) // 2
             for mode in ("fwd", "fwd+bwd"):
                 row = {"model": model, "variant": variant, "mode": mode, "B": B, "T": T, "H": H, "Dqk": dqk, "Dv": dv,
                        "flops": fwd_flops if mode == "fwd" else int(3.5 * fwd_flops)}
-                g = f if mode == "fwd" else jax.grad(
-                    lambda q, k, v, seg: jnp.sum(f(q, k, v, seg).astype(jnp.float32)), argnums=(0, 1, 2))
                 try:
+                    f = fn(variant, dqk ** -0.5, args.block, seg)
+                    g = f if mode == "fwd" else jax.grad(
+                        lambda q, k, v, seg: jnp.sum(f(q, k, v, seg).astype(jnp.float32)), argnums=(0, 1, 2))
                     c = jax.jit(g).lower(q, k, v, seg).compile()
+                    if mode == "fwd" and variant == "ling2":
+                        reference = c(q, k, v, seg).astype(jnp.float32)
+                    elif mode == "fwd" and variant in SAME_DOCUMENTS and reference is not None:
+                        row["max_abs_diff_vs_ling2"] = float(jnp.max(jnp.abs(c(q, k, v, seg) - reference)))
                     row["seconds"] = queued_seconds(c, (q, k, v, seg), args.calls)
                     row["tflops"] = row["flops"] / row["seconds"] / 1e12
                     row["of_matmul_rate"] = row["flops"] / row["seconds"] / rate
@@ -86,7 +131,9 @@ def rows(args, rate, save):
                 save(out)
                 print(f"{model} {variant:>14} {mode:>8}: " + (f"ERROR {row['error'][:150]}" if "error" in row else
                       f"{row['seconds'] * 1e3:8.2f} ms  {row['tflops']:6.1f} TFLOP/s  "
-                      f"{row['of_matmul_rate']:.2f} of matmul"), flush=True)
+                      f"{row['of_matmul_rate']:.2f} of matmul"
+                      + (f"  max |diff| vs ling2 {row['max_abs_diff_vs_ling2']:.3g}"
+                         if "max_abs_diff_vs_ling2" in row else "")), flush=True)
     return out
 
 
