@@ -2,6 +2,7 @@
 names: checked before the work that makes it, then replaced whole or not at all."""
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -66,3 +67,8 @@ def replaced(path, mode: str = "w"):
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_failure(e: OSError) -> str:
+    """Why a write failed, in the words an `error:` line gives it: a full disk named as such, else the system's."""
+    return "disk full (no space left on device)" if e.errno == errno.ENOSPC else (e.strerror or str(e))

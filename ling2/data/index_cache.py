@@ -13,7 +13,6 @@ descriptions record no checksums: its files are only checked to load whole.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ling2.config.files import crc32
+from ling2.config.paths import write_failure
 from ling2.data.errors import DataError
 
 FILES = "files"  # the description's {name: {"bytes": size, "crc32": crc}} of the set's .npy files
@@ -62,8 +62,7 @@ def _written(tmp: str, path: str):
     except OSError as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        why = "disk full (no space left on device)" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        raise DataError(f"{path}: writing the index cache (blend_cache_dir) failed: {why}") from None
+        raise DataError(f"{path}: writing the index cache (blend_cache_dir) failed: {write_failure(e)}") from None
 
 
 def _records(desc, names: Sequence[str]) -> Optional[dict]:

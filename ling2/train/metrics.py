@@ -8,7 +8,6 @@ past S (tensorboardX's purge marker). Both files are written on the loop's threa
 is one named error there (`write_error`).
 """
 
-import errno
 import json
 import math
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import jax
 
-from ling2.config.paths import replaced
+from ling2.config.paths import replaced, write_failure
 from ling2.train.errors import TrainingError
 
 
@@ -74,9 +73,8 @@ def truncate_metrics(path, last_step: int) -> int:
 
 def write_error(path, what: str, e: OSError) -> TrainingError:
     """One line for a metrics file that cannot be written (a full disk named as such)."""
-    why = "disk full (no space left on device)" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-    return TrainingError(f"{path}: {what} failed: {why}; the run stops here and resumes from its newest "
-                         "checkpoint once the file can be written")
+    return TrainingError(f"{path}: {what} failed: {write_failure(e)}; the run stops here and resumes from its "
+                         "newest checkpoint once the file can be written")
 
 
 class _Events:
