@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from ling2.checkpoint.safetensors_io import SafetensorsError, ShardedReader
+from ling2.checkpoint.safetensors_io import SafetensorsError, ShardedReader, count_beyond, overflow_limit
 
 FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # weight_scale_inv (fp8), weight_scale (compressed-tensors)
@@ -168,9 +168,7 @@ class Dequantized:
         if name not in self.scales:
             return self.reader.nonfinite(name, cast)
         w = self.read(name)
-        with np.errstate(over="ignore", invalid="ignore"):
-            bad = ~np.isfinite(w.astype(cast or np.float32).astype(np.float32))
-        if not bad.any():
+        count, first = count_beyond(w, overflow_limit(w.dtype, cast or w.dtype))
+        if count == 0:
             return None
-        first = int(np.flatnonzero(bad)[0])
-        return int(bad.sum()), tuple(int(j) for j in np.unravel_index(first, w.shape)), float(w.reshape(-1)[first])
+        return count, tuple(int(j) for j in np.unravel_index(first, w.shape)), float(w.reshape(-1)[first])

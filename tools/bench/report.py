@@ -68,6 +68,13 @@ def queued_seconds(f, args, calls: int = 10, batches: int = 3) -> float:
     return float(np.median(out))
 
 
+def timed_rates(f, args, flops: float, rate: float, calls: int = 10) -> dict:
+    """{seconds, tflops, of_matmul_rate} of f(*args) (`queued_seconds`) doing `flops`, against `rate` (FLOP/s, e.g.
+    `matmul_rate`'s): a GPU benchmark row's timing."""
+    seconds = queued_seconds(f, args, calls)
+    return {"seconds": seconds, "tflops": flops / seconds / 1e12, "of_matmul_rate": flops / seconds / rate}
+
+
 def matmul_rate(n: int = 8192, dtype="bfloat16", calls: int = 10) -> float:
     """Measured FLOP/s of an [n, n] x [n, n] matmul in `dtype` (device-bound, `queued_seconds`): the rate
     the GPU benchmarks state their kernels against."""

@@ -24,3 +24,12 @@ def test_median_seconds(monkeypatch):
     assert report.median_seconds(lambda: 0, (), repeats=3) == 1.0
     ticks = iter([0.0, 5.0])
     assert report.median_seconds(lambda: 0, (), repeats=3, slow_seconds=2.0) == 5.0  # one slow sample is the answer
+
+
+def test_timed_rates_from_queued_seconds(monkeypatch):
+    """Batches of 4 queued calls taking 2, 4 and 8 s: 1 s per call (the median), so 3e12 FLOPs run at 3 TFLOP/s,
+    0.5 of a 6e12 FLOP/s matmul."""
+    ticks = iter([0.0, 2.0, 10.0, 14.0, 20.0, 28.0])
+    monkeypatch.setattr(report.time, "perf_counter", lambda: next(ticks))
+    assert report.timed_rates(lambda: 0, (), flops=3e12, rate=6e12, calls=4) == {
+        "seconds": 1.0, "tflops": 3.0, "of_matmul_rate": 0.5}

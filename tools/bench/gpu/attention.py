@@ -31,7 +31,7 @@ import numpy as np
 from ling2.config import load_config
 from ling2.kernels.attention.cudnn import cudnn_attention
 from ling2.kernels.attention.dense import blocked_attention
-from tools.bench.report import host_facts, matmul_rate, queued_seconds
+from tools.bench.report import host_facts, matmul_rate, timed_rates
 
 VARIANTS = ("ling2", "ling2_blocked", "causal", "causal_qk128", "mla_v128", "packed")
 SAME_DOCUMENTS = ("ling2_blocked", "mla_v128", "packed")  # variants whose output must equal ling2's
@@ -122,9 +122,7 @@ def rows(args, rate, save):
                         reference = c(q, k, v, seg).astype(jnp.float32)
                     elif mode == "fwd" and variant in SAME_DOCUMENTS and reference is not None:
                         row["max_abs_diff_vs_ling2"] = float(jnp.max(jnp.abs(c(q, k, v, seg) - reference)))
-                    row["seconds"] = queued_seconds(c, (q, k, v, seg), args.calls)
-                    row["tflops"] = row["flops"] / row["seconds"] / 1e12
-                    row["of_matmul_rate"] = row["flops"] / row["seconds"] / rate
+                    row.update(timed_rates(c, (q, k, v, seg), row["flops"], rate, args.calls))
                 except Exception as e:  # noqa: BLE001 - a variant that fails is a result
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 out.append(row)

@@ -25,7 +25,7 @@ import numpy as np
 
 from ling2.kernels import fp8
 from ling2.kernels.moe import gmm as moe_gmm
-from tools.bench.report import host_facts, matmul_rate, queued_seconds
+from tools.bench.report import host_facts, matmul_rate, timed_rates
 
 
 def _mgpu_ffn():
@@ -115,9 +115,7 @@ def rows(args, rate, save):
                     if row["temp_GiB"] > 4 and row["temp_GiB"] * 2**30 > 8 * operand_bytes:
                         row["skipped"] = "plans > 8x its operands' bytes of temporaries (dense over the experts)"
                     else:
-                        row["seconds"] = queued_seconds(c, (x, gs, *w), args.calls)
-                        row["tflops"] = row["gemm_flops"] / row["seconds"] / 1e12
-                        row["of_matmul_rate"] = row["gemm_flops"] / row["seconds"] / rate
+                        row.update(timed_rates(c, (x, gs, *w), row["gemm_flops"], rate, args.calls))
                 except Exception as e:  # noqa: BLE001 - a backend that fails is a result
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 out.append(row)
